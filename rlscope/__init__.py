@@ -1,0 +1,28 @@
+"""rlscope: is this RL post-training run actually healthy? Metrics and diagnoses from Parquet logs."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from rlscope.errors import RlscopeError
+from rlscope.report import Finding, MetricResult, Report, RunInfo, Skipped
+from rlscope.writer import RunWriter
+
+__all__ = [
+    "Finding",
+    "MetricResult",
+    "Report",
+    "RlscopeError",
+    "RunInfo",
+    "RunWriter",
+    "Skipped",
+    "__version__",
+    "analyze",
+]
+
+
+def analyze(path: str, **options: object) -> Report:
+    """Analyse a run directory and return its Report (see `rlscope.analysis.analyze`)."""
+    from rlscope.analysis import analyze as _analyze
+
+    return _analyze(path, **options)  # type: ignore[arg-type]

@@ -1,0 +1,157 @@
+"""Results as frozen dataclasses, and their strict-JSON form."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SEVERITIES = ("info", "warn", "critical")
+LAYERS = {
+    "L1": "Training stability",
+    "L2": "Policy behaviour",
+    "L3": "Learning signal",
+    "L4": "Exploration",
+    "L5": "Generalisation",
+    "L6": "Reasoning quality",
+}
+
+
+def severity_rank(severity: str) -> int:
+    """0 info, 1 warn, 2 critical; `never` ranks above everything."""
+    return SEVERITIES.index(severity) if severity in SEVERITIES else len(SEVERITIES)
+
+
+@dataclass(frozen=True)
+class MetricResult:
+    """One metric over a run: its per-step series and the summary over the final window."""
+
+    id: str
+    layer: str
+    title: str
+    value: float | None
+    steps: tuple[int, ...]
+    values: tuple[float | None, ...]
+    source: str = ""
+    notes: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A diagnosis: what is wrong, how sure, and the evidence behind it."""
+
+    id: str
+    severity: str
+    layer: str
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A metric or rule that could not be computed, and why."""
+
+    metric: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What was read: the run's identity, counts and tables."""
+
+    path: str
+    run_id: str
+    algorithm: str
+    n_steps: int
+    first_step: int | None
+    last_step: int | None
+    n_rollouts: int
+    n_groups: int
+    n_tokens: int
+    tables: tuple[str, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything `analyze` found about one run."""
+
+    run: RunInfo
+    metrics: dict[str, MetricResult]
+    findings: tuple[Finding, ...]
+    skipped: tuple[Skipped, ...]
+    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def worst_severity(self) -> str | None:
+        if not self.findings:
+            return None
+        return max(self.findings, key=lambda f: severity_rank(f.severity)).severity
+
+    def breaches(self, fail_on: str) -> list[Finding]:
+        """Findings at or above `fail_on` (`never` matches none)."""
+        if fail_on == "never":
+            return []
+        return [f for f in self.findings if severity_rank(f.severity) >= severity_rank(fail_on)]
+
+    def to_dict(self) -> dict[str, Any]:
+        from rlscope import __version__
+        from rlscope.schema import SCHEMA_VERSION
+
+        run = self.run
+        return {
+            "rlscope_version": __version__,
+            "schema_version": SCHEMA_VERSION,
+            "run": {
+                "path": run.path,
+                "run_id": run.run_id,
+                "algorithm": run.algorithm,
+                "steps": run.n_steps,
+                "first_step": run.first_step,
+                "last_step": run.last_step,
+                "rollouts": run.n_rollouts,
+                "groups": run.n_groups,
+                "tokens": run.n_tokens,
+                "tables": list(run.tables),
+                "meta": json_safe(run.meta),
+            },
+            "metrics": {
+                m.id: {
+                    "layer": m.layer,
+                    "title": m.title,
+                    "value": json_safe(m.value),
+                    "source": m.source,
+                    "notes": list(m.notes),
+                    "series": {"step": list(m.steps), "value": json_safe(list(m.values))},
+                    **json_safe(m.extra),
+                }
+                for m in self.metrics.values()
+            },
+            "findings": [
+                {
+                    "id": f.id,
+                    "severity": f.severity,
+                    "layer": f.layer,
+                    "message": f.message,
+                    "evidence": json_safe(f.evidence),
+                }
+                for f in self.findings
+            ],
+            "skipped": [{"metric": s.metric, "reason": s.reason} for s in self.skipped],
+            "warnings": list(self.warnings),
+            "notes": list(self.notes),
+        }
+
+
+def json_safe(value: Any) -> Any:
+    """Replace NaN/inf by None and numpy scalars by Python ones, recursively (strict JSON)."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, str | bytes):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
