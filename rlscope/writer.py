@@ -32,8 +32,12 @@ def _to_polars(data: TableLike) -> pl.DataFrame:
         for name, col in data.items():
             if hasattr(col, "detach"):  # torch tensor
                 col = col.detach().cpu().numpy()
-            if isinstance(col, np.ndarray) and col.ndim == 0:
-                col = col.reshape(1)
+            if isinstance(col, np.ndarray):
+                # Copy: polars wraps numpy buffers zero-copy, and a training loop that reuses
+                # its arrays would otherwise rewrite rows still waiting in the buffer.
+                col = col.copy()
+                if col.ndim == 0:
+                    col = col.reshape(1)
             columns[name] = col
         return pl.DataFrame(columns)
     if isinstance(data, Sequence) and not isinstance(data, str | bytes):
@@ -50,17 +54,27 @@ def _conform(table: str, frame: pl.DataFrame) -> pl.DataFrame:
     missing = [c for c in spec.required_columns if c not in frame.columns]
     if missing:
         raise ValueError(f"log_{table}: missing required column(s) {', '.join(missing)}")
-    casts = []
+    targets: dict[str, pl.DataType] = {}
     for name in frame.columns:
         col = spec.column(name)
         if col is None or frame.schema[name] == col.dtype:
             continue
-        target = pl.String() if isinstance(col.dtype, pl.Categorical) else col.dtype
-        casts.append(pl.col(name).cast(target, strict=True))
+        targets[name] = pl.String() if isinstance(col.dtype, pl.Categorical) else col.dtype
+    if not targets:
+        return frame
     try:
-        return frame.with_columns(casts) if casts else frame
+        out = frame.with_columns(pl.col(n).cast(t, strict=True) for n, t in targets.items())
     except pl.exceptions.PolarsError as exc:
-        raise ValueError(f"log_{table}: a column cannot be cast to its format-v1 type: {exc}") from exc
+        raise ValueError(
+            f"log_{table}: a column cannot be cast to its format-v1 type: {exc}"
+        ) from exc
+    # Some casts "succeed" without producing the target type (a struct casts field by field).
+    wrong = [n for n, t in targets.items() if out.schema[n] != t]
+    if wrong:
+        raise ValueError(
+            f"log_{table}: column(s) {', '.join(wrong)} cannot be cast to their format-v1 type"
+        )
+    return out
 
 
 class RunWriter:
@@ -81,7 +95,7 @@ class RunWriter:
         flush_rows: Mapping[str, int] | None = None,
         **meta: Any,
     ) -> None:
-        known = {f.name for f in RUN_FIELDS}
+        known = {f.name for f in RUN_FIELDS} - {"schema_version"}  # set by the writer only
         unknown = sorted(set(meta) - known)
         if unknown:
             raise TypeError(f"unknown run.json field(s): {', '.join(unknown)}")
@@ -90,6 +104,8 @@ class RunWriter:
         self.flush_rows = {**DEFAULT_FLUSH_ROWS, **(flush_rows or {})}
         self._buffers: dict[str, list[pl.DataFrame]] = {t: [] for t in TABLES}
         self._buffered: dict[str, int] = dict.fromkeys(TABLES, 0)
+        # Zero-row frame with the merged schema of each table's buffer.
+        self._shapes: dict[str, pl.DataFrame] = {t: pl.DataFrame() for t in TABLES}
         self._seq = 0
         self._lock = threading.RLock()
         self._closed = False
@@ -136,6 +152,15 @@ class RunWriter:
         with self._lock:
             if self._closed:
                 raise RuntimeError("RunWriter is closed")
+            # Reject a batch the buffer could never be concatenated with, instead of buffering
+            # it and making every later flush (and close) of this table fail.
+            try:
+                shape = pl.concat([self._shapes[table], frame.clear()], how="diagonal_relaxed")
+            except pl.exceptions.PolarsError as exc:
+                raise ValueError(
+                    f"log_{table}: columns incompatible with rows already buffered: {exc}"
+                ) from exc
+            self._shapes[table] = shape
             self._buffers[table].append(frame)
             self._buffered[table] += frame.height
             if self._buffered[table] >= self.flush_rows[table]:
@@ -168,6 +193,7 @@ class RunWriter:
         # Only forget the rows once they are safely on disk: a failed write can be retried.
         self._buffers[table] = []
         self._buffered[table] = 0
+        self._shapes[table] = pl.DataFrame()
 
     def close(self) -> None:
         """Flush and stop accepting rows. Idempotent."""
