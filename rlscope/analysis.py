@@ -1,0 +1,56 @@
+"""`analyze`: read a run, compute every metric, run the rules, return a Report."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import polars as pl
+
+from rlscope.config import Config, load_config
+from rlscope.engine import compute
+from rlscope.reader import open_run
+from rlscope.report import Report, RunInfo
+from rlscope.rules import evaluate
+
+
+def analyze(
+    path: str | os.PathLike[str],
+    *,
+    steps: tuple[int | None, int | None] = (None, None),
+    metrics: Iterable[str] | None = None,
+    config: Config | None = None,
+) -> Report:
+    """Analyse the run directory at `path` (read-only) and return its Report."""
+    run = open_run(path, steps=steps)
+    config = config if config is not None else load_config()
+    computed = compute(run, metrics)
+    findings, rule_skips = evaluate(computed, run, config)
+
+    groups = computed.aggregates.get("rollouts")
+    train_groups = groups.filter(pl.col("split") == "train") if groups is not None else None
+    step_values: set[int] = set()
+    for result in computed.results.values():
+        step_values.update(result.steps)
+    notes = sorted({note for r in computed.results.values() for note in r.notes})
+    info = RunInfo(
+        path=str(run.path),
+        run_id=str(run.meta.get("run_id", run.path.name)),
+        algorithm=str(run.meta.get("algorithm", "")),
+        n_steps=len(step_values),
+        first_step=min(step_values) if step_values else None,
+        last_step=max(step_values) if step_values else None,
+        n_rollouts=int(groups["n"].sum()) if groups is not None else run.row_count("rollouts"),
+        n_groups=train_groups.height if train_groups is not None else 0,
+        n_tokens=run.row_count("tokens"),
+        tables=tuple(run.tables),
+        meta=dict(run.meta),
+    )
+    return Report(
+        run=info,
+        metrics=computed.results,
+        findings=tuple(findings),
+        skipped=computed.skipped + tuple(rule_skips),
+        warnings=run.warnings,
+        notes=tuple(notes),
+    )

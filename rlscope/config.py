@@ -1,0 +1,73 @@
+"""Configuration: per-finding overrides from rlscope.toml, pyproject.toml or --config FILE."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlscope.errors import RlscopeError
+from rlscope.registry import RULES, load_all
+from rlscope.report import SEVERITIES
+
+
+@dataclass(frozen=True)
+class Config:
+    """`findings`: rule id -> {param: value, "severity": str, "enabled": bool}."""
+
+    findings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    source: str | None = None
+
+
+def load_config(path: str | Path | None = None, *, search_from: Path | None = None) -> Config:
+    """Read `path`, else ./rlscope.toml, else [tool.rlscope] of ./pyproject.toml, else defaults."""
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise RlscopeError(f"{file}: config file not found")
+        return _parse(file, _read(file).get("tool", {}).get("rlscope", _read(file)))
+    here = search_from or Path.cwd()
+    if (here / "rlscope.toml").is_file():
+        return _parse(here / "rlscope.toml", _read(here / "rlscope.toml"))
+    pyproject = here / "pyproject.toml"
+    if pyproject.is_file():
+        table = _read(pyproject).get("tool", {}).get("rlscope")
+        if table is not None:
+            return _parse(pyproject, table)
+    return Config()
+
+
+def _read(file: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise RlscopeError(f"{file}: not valid TOML ({exc})") from None
+
+
+def _parse(file: Path, table: dict[str, Any]) -> Config:
+    load_all()
+    findings = table.get("findings", {})
+    if not isinstance(findings, dict):
+        raise RlscopeError(f"{file}: [findings] must be a table")
+    for rule_id, override in findings.items():
+        rule = RULES.get(rule_id)
+        where = f"{file}: [findings.{rule_id}]"
+        if rule is None:
+            raise RlscopeError(f"{where}: unknown finding id", hint="`rlscope metrics` lists them")
+        if not isinstance(override, dict):
+            raise RlscopeError(f"{where} must be a table")
+        for key, value in override.items():
+            if key == "enabled":
+                if not isinstance(value, bool):
+                    raise RlscopeError(f"{where}: enabled must be true or false")
+            elif key == "severity":
+                if value not in SEVERITIES:
+                    raise RlscopeError(f"{where}: severity must be one of {', '.join(SEVERITIES)}")
+            elif key in rule.params:
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise RlscopeError(f"{where}: {key} must be a number")
+            else:
+                known = ", ".join(["enabled", "severity", *rule.params])
+                raise RlscopeError(f"{where}: unknown key `{key}`", hint=f"known keys: {known}")
+    return Config(findings={k: dict(v) for k, v in findings.items()}, source=str(file))

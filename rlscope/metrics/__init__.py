@@ -1,0 +1,1 @@
+"""Metric declarations, one module per layer."""

@@ -1,0 +1,75 @@
+"""Building blocks shared by the metric modules: casts, safe ratios, per-step sums."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import polars as pl
+
+from rlscope.engine import Context
+from rlscope.registry import SeriesFn, Variant
+
+
+def f64(name: str) -> pl.Expr:
+    """A column as Float64, so sums of float32 or int32 inputs neither lose precision nor wrap."""
+    return pl.col(name).cast(pl.Float64)
+
+
+def safe_div(num: pl.Expr, den: pl.Expr) -> pl.Expr:
+    """num / den, null (not inf or NaN) where den is 0 or null."""
+    return pl.when(den > 0).then(num / den).otherwise(None)
+
+
+def train(frame: pl.LazyFrame) -> pl.LazyFrame:
+    return frame.filter(pl.col("split") == "train")
+
+
+def step_sums(frame: pl.LazyFrame, names: list[str], *, groups: bool = False) -> pl.LazyFrame:
+    """Sum partial columns per step (train groups only, for the rollouts level)."""
+    if groups:
+        frame = train(frame)
+    return frame.group_by("step").agg([pl.col(n).sum() for n in names])
+
+
+def ratio_variant(
+    table: str,
+    requires: tuple[str, ...],
+    num: tuple[str, pl.Expr],
+    den: tuple[str, pl.Expr],
+    *,
+    source: str = "",
+    needs_meta: tuple[str, ...] = (),
+) -> Variant:
+    """A metric whose per-step value is Σnum / Σden over the step's rows (a mean or a share)."""
+    (num_name, num_expr), (den_name, den_expr) = num, den
+    groups = table == "rollouts"
+
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        sums = step_sums(frame, [num_name, den_name], groups=groups)
+        return sums.select("step", safe_div(pl.col(num_name), pl.col(den_name)).alias("value"))
+
+    return Variant(table, requires, series, {num_name: num_expr, den_name: den_expr}, source,
+                   needs_meta)
+
+
+def step_column(column: str, *, source: str = "") -> Variant:
+    """A metric read straight from the steps table (mean over duplicate rows of one step)."""
+
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        return frame.select("step", pl.col(f"steps_{column}").alias("value"))
+
+    partials: Mapping[str, pl.Expr] = {f"steps_{column}": f64(column).mean()}
+    return Variant("steps", (column,), series, partials, source or f"steps.{column} as logged")
+
+
+def custom(
+    table: str,
+    requires: tuple[str, ...],
+    series: SeriesFn,
+    partials: Mapping[str, pl.Expr],
+    *,
+    source: str = "",
+    needs_meta: tuple[str, ...] = (),
+    empty_reason: str = "",
+) -> Variant:
+    return Variant(table, requires, series, partials, source, needs_meta, empty_reason)

@@ -1,0 +1,339 @@
+"""L2 policy behaviour: token entropy and its drivers, response length vs correctness, tools."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import polars as pl
+
+from rlscope.engine import ENTROPY_BINS_PER_NAT, Context
+from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, train
+from rlscope.registry import Metric, register_metric
+
+ENTROPY_QUANTILE = 0.8
+
+# Rollout group partials shared by several metrics (same name, same expression).
+N = ("n", pl.len().cast(pl.Int64))
+N_CORRECT = ("n_correct", pl.col("correct").cast(pl.Int64).sum())
+LEN_SUM = ("len_sum", f64("response_len").sum())
+LEN_SQ = ("len_sq", (f64("response_len") ** 2).sum())
+LEN_CORRECT_SUM = ("len_correct_sum", (f64("response_len") * f64("correct")).sum())
+CALLS_SUM = ("calls_sum", f64("n_tool_calls").sum())
+CALLS_SQ = ("calls_sq", (f64("n_tool_calls") ** 2).sum())
+ENT_N = ("ent_n", pl.col("entropy").count().cast(pl.Int64))
+
+register_metric(
+    Metric(
+        id="behavior.entropy",
+        layer="L2",
+        title="Token entropy",
+        doc="Token-mean of the full-vocabulary entropy H = -Σ π log π (nats) per step. Without a "
+        "token entropy column: the steps table's logged entropy, else the mean of -logprob of the "
+        "sampled tokens (an unbiased Monte Carlo estimate of mean entropy). A monotone decline is "
+        "normal; a steep early drop is collapse, and collapsed entropy caps attainable reward "
+        "(R ≈ -a·e^H + b). Entropy is local: high entropy can be deliberation or guessing.",
+        healthy="smooth decline; no loss of most of the initial entropy in the first steps",
+        better="up",
+        references="Cui et al. 2025 (arXiv 2505.22617); Wang et al. 2025 (arXiv 2506.01939)",
+        variants=(
+            ratio_variant(
+                "tokens",
+                ("entropy",),
+                ("ent_sum", f64("entropy").sum()),
+                ENT_N,
+                source="tokens.entropy",
+            ),
+            step_column("entropy"),
+            ratio_variant(
+                "tokens",
+                ("logprob",),
+                ("neg_logprob_sum", (-f64("logprob")).sum()),
+                ("logprob_n", pl.col("logprob").count().cast(pl.Int64)),
+                source="estimated as the token-mean of -logprob (no entropy column)",
+            ),
+        ),
+    )
+)
+
+
+def _entropy_quantile(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    # Rank of the quantile among a step's n values (numpy's linear definition: q·(n-1));
+    # the answer is the midpoint of the first bin whose cumulative count passes that rank.
+    binned = frame.filter(pl.col("entropy_bin").is_not_null() & (pl.col("ent_n") > 0))
+    ordered = binned.sort("step", "entropy_bin").with_columns(
+        pl.col("ent_n").cum_sum().over("step").alias("cum"),
+        pl.col("ent_n").sum().over("step").alias("total"),
+    )
+    hit = ordered.filter(pl.col("cum") > ENTROPY_QUANTILE * (pl.col("total") - 1))
+    return hit.group_by("step").agg(
+        ((pl.col("entropy_bin").first().cast(pl.Float64) + 0.5) / ENTROPY_BINS_PER_NAT).alias(
+            "value"
+        )
+    )
+
+
+register_metric(
+    Metric(
+        id="behavior.entropy_p80",
+        layer="L2",
+        title="80th percentile of token entropy",
+        doc="Per-step 80th percentile of token entropy: the threshold above which the 'forking' "
+        "minority of high-entropy tokens lies (these carry most of the useful gradient). Computed "
+        f"from a histogram with {ENTROPY_BINS_PER_NAT} bins per nat, so it is exact to "
+        f"{1 / ENTROPY_BINS_PER_NAT:g} nats with memory independent of the number of tokens.",
+        healthy="stays clearly above 0 (0.672 nats on Qwen3-8B CoT); falling to ~0 means even "
+        "forking tokens have become deterministic",
+        better="up",
+        references="Wang et al. 2025, 'Beyond the 80/20 rule' (arXiv 2506.01939)",
+        variants=(custom("tokens", ("entropy",), _entropy_quantile, dict([ENT_N])),),
+    )
+)
+
+_both = pl.col("logprob").is_not_null() & pl.col("advantage").is_not_null()
+_x = pl.when(_both).then(f64("logprob"))
+_y = pl.when(_both).then(f64("advantage"))
+
+
+def _cov(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    sums = frame.group_by("step").agg(pl.col("cov_n", "cov_x", "cov_y", "cov_xy").sum())
+    n = pl.col("cov_n")
+    mean_x, mean_y = pl.col("cov_x") / n, pl.col("cov_y") / n
+    return sums.select(
+        "step", pl.when(n > 1).then(pl.col("cov_xy") / n - mean_x * mean_y).alias("value")
+    )
+
+
+register_metric(
+    Metric(
+        id="behavior.entropy_adv_cov",
+        layer="L2",
+        title="Cov(logprob, advantage) over tokens",
+        doc="Per-step covariance between a token's log-probability and its advantage over the "
+        "step's tokens (population covariance, accumulated in float64). Under policy gradient the "
+        "entropy change is driven by this covariance: positive = confident tokens are being "
+        "reinforced and entropy falls (Clip-Cov / KL-Cov target the tokens with the largest "
+        "covariance).",
+        healthy="small and near 0; persistently positive predicts entropy decline",
+        better="down",
+        references="Cui et al. 2025, 'The entropy mechanism of RL for reasoning LMs' "
+        "(arXiv 2505.22617)",
+        variants=(
+            custom(
+                "tokens",
+                ("logprob", "advantage"),
+                _cov,
+                {
+                    "cov_n": _both.cast(pl.Int64).sum(),
+                    "cov_x": _x.sum(),
+                    "cov_y": _y.sum(),
+                    "cov_xy": (_x * _y).sum(),
+                },
+            ),
+        ),
+    )
+)
+
+register_metric(
+    Metric(
+        id="behavior.response_len",
+        layer="L2",
+        title="Mean response length",
+        doc="Mean generated tokens per train rollout. Rising length is the R1/o1 signature, but "
+        "on its own it says nothing: read it with the correct/incorrect split and the "
+        "within-prompt length-correctness correlation.",
+        healthy="any level; growth should come with accuracy (see behavior.len_correct_corr)",
+        variants=(ratio_variant("rollouts", ("response_len",), LEN_SUM, N),),
+    )
+)
+
+register_metric(
+    Metric(
+        id="behavior.response_len_correct",
+        layer="L2",
+        title="Mean length of correct responses",
+        doc="Mean response length over correct train rollouts. Dr. GRPO shows GRPO's 1/|o| "
+        "normalisation rewards longer incorrect responses: track correct and incorrect lengths "
+        "separately.",
+        healthy="correct responses not systematically shorter than incorrect ones",
+        references="Liu et al. 2025, Dr. GRPO (arXiv 2503.20783)",
+        variants=(
+            ratio_variant("rollouts", ("response_len", "correct"), LEN_CORRECT_SUM, N_CORRECT),
+        ),
+    )
+)
+
+
+def _len_incorrect(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    sums = train(frame).group_by("step").agg(pl.col("len_sum", "len_correct_sum", "n",
+                                                     "n_correct").sum())
+    return sums.select(
+        "step",
+        safe_div(
+            pl.col("len_sum") - pl.col("len_correct_sum"), pl.col("n") - pl.col("n_correct")
+        ).alias("value"),
+    )
+
+
+register_metric(
+    Metric(
+        id="behavior.response_len_incorrect",
+        layer="L2",
+        title="Mean length of incorrect responses",
+        doc="Mean response length over incorrect train rollouts. Incorrect responses growing "
+        "longer than correct ones is Dr. GRPO's length bias, or overthinking.",
+        healthy="not growing faster than behavior.response_len_correct",
+        references="Liu et al. 2025, Dr. GRPO (arXiv 2503.20783)",
+        variants=(
+            custom(
+                "rollouts",
+                ("response_len", "correct"),
+                _len_incorrect,
+                dict([LEN_SUM, LEN_CORRECT_SUM, N, N_CORRECT]),
+            ),
+        ),
+    )
+)
+
+register_metric(
+    Metric(
+        id="behavior.truncation_rate",
+        layer="L2",
+        title="Truncation rate",
+        doc="Share of train rollouts that hit the generation length cap (`truncated`, or "
+        "response_len >= run.json max_response_len). Truncated responses usually get no reward "
+        "for a reason unrelated to the task, which biases the learning signal.",
+        healthy="below a few percent",
+        better="down",
+        references="verl response_length/clip_ratio; TRL completions/clipped_ratio",
+        variants=(
+            ratio_variant(
+                "rollouts", ("truncated",), ("trunc_n", pl.col("truncated").cast(pl.Int64).sum()),
+                N,
+            ),
+        ),
+    )
+)
+
+
+def within_group_sums(
+    frame: pl.LazyFrame, x_sum: str, x_sq: str, y_sum: str, y_sq: str | None, xy_sum: str
+) -> pl.LazyFrame:
+    """Per step: Σ over train groups (n >= 2) of the centred sums Sxx, Syy, Sxy.
+
+    Centring each rollout by its group mean removes prompt difficulty from the relation.
+    """
+    n = pl.col("n").cast(pl.Float64)
+    ysq = pl.col(y_sq) if y_sq else pl.col(y_sum)  # a 0/1 variable is its own square
+    centred = train(frame).filter(pl.col("n") >= 2).select(
+        "step",
+        (pl.col(x_sq) - pl.col(x_sum) ** 2 / n).alias("sxx"),
+        (ysq - pl.col(y_sum) ** 2 / n).alias("syy"),
+        (pl.col(xy_sum) - pl.col(x_sum) * pl.col(y_sum) / n).alias("sxy"),
+        (n - 1).alias("dof"),
+    )
+    return centred.group_by("step").agg(pl.col("sxx", "syy", "sxy", "dof").sum())
+
+
+def _len_corr(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    sums = within_group_sums(frame, "len_sum", "len_sq", "n_correct", None, "len_correct_sum")
+    denom = (pl.col("sxx") * pl.col("syy")).sqrt()
+    return sums.with_columns(safe_div(pl.col("sxy"), denom).alias("value"))
+
+
+register_metric(
+    Metric(
+        id="behavior.len_correct_corr",
+        layer="L2",
+        title="Within-prompt length-correctness correlation",
+        doc="Pearson correlation of response length and correctness after centring both by "
+        "their prompt group's mean (pooled over the step's groups), so that prompt difficulty "
+        "does not confound it: across prompts, hard prompts have long wrong answers. Positive = "
+        "longer reasoning helps; ~0 while length grows = spurious length growth; negative = "
+        "overthinking. Null at a step where no group has both correct and incorrect rollouts.",
+        healthy="> 0 (longer → more correct within a prompt)",
+        better="up",
+        references="seed §3; Liu et al. 2025, Dr. GRPO (arXiv 2503.20783)",
+        variants=(
+            custom(
+                "rollouts",
+                ("response_len", "correct"),
+                _len_corr,
+                dict([N, N_CORRECT, LEN_SUM, LEN_SQ, LEN_CORRECT_SUM]),
+            ),
+        ),
+    )
+)
+
+register_metric(
+    Metric(
+        id="behavior.tool_calls",
+        layer="L2",
+        title="Mean tool calls per rollout",
+        doc="Mean n_tool_calls over train rollouts (or the length of `tool_calls`). A proxy of "
+        "agency quality in search/tool agents: ~1 = calls when needed; near the cap = mechanical "
+        "repeated calling; high variance within a prompt = unstable policy.",
+        healthy="task-dependent; GiGPO reports ~0.9 single-hop, ~1.6 multi-hop; not at the cap",
+        references="Feng et al. 2025, GiGPO; Wang et al. 2025, OTC (arXiv 2504.14870)",
+        variants=(ratio_variant("rollouts", ("n_tool_calls",), CALLS_SUM, N),),
+    )
+)
+
+
+def _cap_partials(meta: Mapping[str, Any]) -> dict[str, pl.Expr]:
+    cap = int(meta["max_tool_calls"])
+    return {"at_cap_n": (pl.col("n_tool_calls") >= cap).cast(pl.Int64).sum(), N[0]: N[1]}
+
+
+def _cap_frac(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    sums = train(frame).group_by("step").agg(pl.col("at_cap_n", "n").sum())
+    return sums.select("step", safe_div(pl.col("at_cap_n"), pl.col("n")).alias("value"))
+
+
+register_metric(
+    Metric(
+        id="behavior.tool_cap_frac",
+        layer="L2",
+        title="Share of rollouts at the tool-call cap",
+        doc="Share of train rollouts whose n_tool_calls reached run.json max_tool_calls. A "
+        "rising share means the policy calls tools mechanically until stopped: invisible in "
+        "reward, costly in latency and compute.",
+        healthy="a small minority (< 0.1)",
+        better="down",
+        variants=(
+            custom(
+                "rollouts", ("n_tool_calls",), _cap_frac, _cap_partials,
+                needs_meta=("max_tool_calls",),
+            ),
+        ),
+    )
+)
+
+
+def _calls_std(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    sums = within_group_sums(frame, "calls_sum", "calls_sq", "calls_sum", "calls_sq", "calls_sq")
+    means = train(frame).group_by("step").agg(pl.col("calls_sum", "n").sum())
+    return sums.join(means, on="step").select(
+        "step",
+        safe_div(pl.col("sxx"), pl.col("dof")).sqrt().alias("value"),
+        safe_div(pl.col("calls_sum"), pl.col("n")).alias("mean_calls"),
+        "sxx",
+        "dof",
+    )
+
+
+register_metric(
+    Metric(
+        id="behavior.tool_calls_std",
+        layer="L2",
+        title="Within-prompt std of tool calls",
+        doc="Pooled within-group standard deviation of n_tool_calls: how differently the policy "
+        "behaves on the same prompt, sqrt(Σ_groups Σ (calls - group mean)² / Σ_groups (n - 1)). "
+        "Large relative to the mean number of calls = an unstable tool policy (seed §3).",
+        healthy="small relative to behavior.tool_calls (coefficient of variation well below 1)",
+        better="down",
+        variants=(
+            custom("rollouts", ("n_tool_calls",), _calls_std, dict([N, CALLS_SUM, CALLS_SQ])),
+        ),
+    )
+)

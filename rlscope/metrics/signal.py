@@ -1,0 +1,322 @@
+"""L3 learning signal: reward, σ_G and dead groups, pass@k, effective batch, difficulty tiers."""
+
+from __future__ import annotations
+
+from math import comb
+
+import polars as pl
+
+from rlscope.engine import Context
+from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, train
+from rlscope.metrics.behavior import N, N_CORRECT
+from rlscope.registry import Metric, register_metric
+
+R_SUM = ("r_sum", f64("reward").sum())
+R_STD = ("r_std", f64("reward").std(ddof=1))
+R_MIN = ("r_min", f64("reward").min())
+R_MAX = ("r_max", f64("reward").max())
+W_ADV = ("w_adv", f64("advantage").abs().sum())
+# GRPO's advantage when none is logged: (r - mean) / (std + 1e-6), std with ddof=1 as in
+# TRL and verl; a zero-σ group has advantage 0.
+_r = f64("reward")
+W_GRPO = ("w_grpo", ((_r - _r.mean()).abs().sum() / (_r.std(ddof=1) + 1e-6)).fill_null(0.0))
+
+#: Difficulty tiers by the group's accuracy p = correct / n (document-facing constants).
+HARD_BELOW = 1 / 3
+EASY_ABOVE = 2 / 3
+
+register_metric(
+    Metric(
+        id="signal.reward",
+        layer="L3",
+        title="Mean reward",
+        doc="Mean sequence reward over the step's train rollouts. Necessary, not sufficient: it "
+        "keeps rising while the policy mode-collapses (compare signal.pass_at_k).",
+        healthy="rising, then plateauing",
+        better="up",
+        variants=(ratio_variant("rollouts", ("reward",), R_SUM, N),),
+    )
+)
+
+
+def _group_mean(value: pl.Expr, *, min_size: int = 2):
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        groups = train(frame).filter(pl.col("n") >= min_size)
+        return groups.group_by("step").agg(value.mean().alias("value"), pl.len().alias("groups"))
+
+    return series
+
+
+_zero_std = (pl.col("r_max") == pl.col("r_min")).cast(pl.Float64)
+register_metric(
+    Metric(
+        id="signal.group_std",
+        layer="L3",
+        title="Mean within-group reward std (σ_G)",
+        doc="Mean over the step's prompt groups of the reward standard deviation within the group "
+        "(ddof = 1, GRPO's normaliser). σ_G = 0 means the group gives GRPO no gradient at all. "
+        "Groups of one rollout have no σ_G and are left out.",
+        healthy="clearly above 0; for 0/1 rewards at most ~0.53 (N = 8, half correct)",
+        better="up",
+        references="Shao et al. 2024, GRPO (DeepSeekMath)",
+        variants=(custom("rollouts", ("reward",), _group_mean(pl.col("r_std")), dict([N, R_STD])),),
+    )
+)
+
+register_metric(
+    Metric(
+        id="signal.zero_std_frac",
+        layer="L3",
+        title="Share of zero-σ groups",
+        doc="Share of the step's prompt groups (size >= 2) whose rewards are all equal: zero "
+        "advantage, no gradient, wasted samples. DAPO's dynamic sampling drops them; TRL logs it "
+        "as frac_reward_zero_std. Split into too easy / too hard by signal.all_correct_frac and "
+        "signal.all_wrong_frac.",
+        healthy="below ~0.5; higher means the prompt set no longer fits the policy",
+        better="down",
+        references="Yu et al. 2025, DAPO (arXiv 2503.14476); TRL frac_reward_zero_std",
+        variants=(
+            custom("rollouts", ("reward",), _group_mean(_zero_std), dict([N, R_MIN, R_MAX])),
+        ),
+    )
+)
+
+register_metric(
+    Metric(
+        id="signal.all_correct_frac",
+        layer="L3",
+        title="Share of all-correct groups",
+        doc="Share of prompt groups (size >= 2) where every rollout is correct: too easy for the "
+        "current policy.",
+        healthy="a minority; a growing share means the curriculum is stale",
+        better="down",
+        variants=(
+            custom(
+                "rollouts",
+                ("correct",),
+                _group_mean((pl.col("n_correct") == pl.col("n")).cast(pl.Float64)),
+                dict([N, N_CORRECT]),
+            ),
+        ),
+    )
+)
+
+register_metric(
+    Metric(
+        id="signal.all_wrong_frac",
+        layer="L3",
+        title="Share of all-wrong groups",
+        doc="Share of prompt groups (size >= 2) where no rollout is correct: too hard for the "
+        "current policy.",
+        healthy="a minority; a large share means the policy is left behind",
+        better="down",
+        variants=(
+            custom(
+                "rollouts",
+                ("correct",),
+                _group_mean((pl.col("n_correct") == 0).cast(pl.Float64)),
+                dict([N, N_CORRECT]),
+            ),
+        ),
+    )
+)
+
+
+_NO_K = "no train group has at least k rollouts (k = run.json group_size or the modal size)"
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al.'s unbiased estimator 1 - C(n-c, k) / C(n, k), exactly (needs n >= k)."""
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def ks_for(group_size: int) -> list[int]:
+    """k = 1, 2, 4, ... up to the group size, and the group size itself."""
+    ks, k = [], 1
+    while k < group_size:
+        ks.append(k)
+        k *= 2
+    return [*ks, group_size]
+
+
+def _with_pass_at(frame: pl.LazyFrame, ks: list[int]) -> pl.LazyFrame:
+    """Each train group of size >= max(ks) with its pass@k for every k in ks."""
+    k_max = max(ks)
+    groups = train(frame).filter(pl.col("n") >= k_max)
+    # The exact values depend only on (n, c): compute them for the few pairs that occur.
+    pairs = groups.select("n", "n_correct").unique().collect()
+    rows = [
+        {"n": n, "n_correct": c, **{f"pass@{k}": pass_at_k(n, c, k) for k in ks}}
+        for n, c in pairs.iter_rows()
+    ]
+    schema = {"n": pl.Int64, "n_correct": pl.Int64, **{f"pass@{k}": pl.Float64 for k in ks}}
+    lookup = pl.DataFrame(rows, schema=schema, orient="row").lazy()
+    return groups.join(lookup, on=["n", "n_correct"], how="left")
+
+
+def _pass_k(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    ks = ks_for(ctx.pass_k or 1)
+    k = ks[-1]
+    per_group = _with_pass_at(frame, ks)
+    return per_group.group_by("step").agg(
+        pl.col(f"pass@{k}").mean().alias("value"),
+        *[pl.col(f"pass@{j}").mean().alias(f"extra_pass@{j}") for j in ks],
+        pl.len().alias("groups"),
+    )
+
+
+def _pass_1(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    groups = train(frame).filter(pl.col("n") >= 1)
+    acc = pl.col("n_correct").cast(pl.Float64) / pl.col("n")
+    return groups.group_by("step").agg(acc.mean().alias("value"), pl.len().alias("groups"))
+
+
+def _pass_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    k = ctx.pass_k or 1
+    per_group = _with_pass_at(frame, [1, k])
+    return per_group.group_by("step").agg(
+        (pl.col(f"pass@{k}") - pl.col("pass@1")).mean().alias("value")
+    )
+
+
+register_metric(
+    Metric(
+        id="signal.pass_at_1",
+        layer="L3",
+        title="pass@1",
+        doc="Mean over the step's prompt groups of the group accuracy c/n (each prompt weighs "
+        "the same, as in pass@k).",
+        healthy="rising",
+        better="up",
+        variants=(custom("rollouts", ("correct",), _pass_1, dict([N, N_CORRECT])),),
+    )
+)
+
+register_metric(
+    Metric(
+        id="signal.pass_at_k",
+        layer="L3",
+        title="pass@k (k = group size)",
+        doc="Chen et al.'s unbiased estimator pass@k = 1 - C(n-c, k)/C(n, k), computed exactly "
+        "per group of n rollouts with c correct and averaged over the step's groups of size >= k; "
+        "k = run.json group_size or the modal group size. The JSON adds pass@1, 2, 4, ..., k as "
+        "`components`. Unlike verl's bootstrap best@k it is unbiased (1 correct of 4 gives 1.0 at "
+        "k = 4, not ≈0.68). RL typically raises pass@1 while pass@k at large k stays flat: "
+        "reward rising with pass@k flat is the mode-collapse signature.",
+        healthy="rising with pass@1, or at least not falling",
+        better="up",
+        references="Chen et al. 2021 (Codex); Yue et al. 2025 (arXiv 2504.13837); verl PR 7240",
+        variants=(
+            custom("rollouts", ("correct",), _pass_k, dict([N, N_CORRECT]), empty_reason=_NO_K),
+        ),
+    )
+)
+
+register_metric(
+    Metric(
+        id="signal.pass_gap",
+        layer="L3",
+        title="pass@k - pass@1",
+        doc="Mean over groups of size >= k of pass@k - pass@1. Large = the policy knows how but "
+        "is unstable (majority vote or more sampling would help); small with high pass@1 = "
+        "reliably solves; small with low pass@1 = reliably fails.",
+        healthy="shrinking because pass@1 rises, not because pass@k falls",
+        references="seed §4; Chen et al. 2021",
+        variants=(
+            custom("rollouts", ("correct",), _pass_gap, dict([N, N_CORRECT]), empty_reason=_NO_K),
+        ),
+    )
+)
+
+
+def _weights_series(weight: str):
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        w = pl.col(weight)
+        per_step = train(frame).group_by("step").agg(
+            w.sum().alias("w_sum"),
+            (w**2).sum().alias("w_sq"),
+            pl.len().alias("prompts"),
+            (w > 0).sum().alias("live_prompts"),
+        )
+        return per_step.with_columns(
+            safe_div(pl.col("w_sum") ** 2, pl.col("prompts") * pl.col("w_sq")).alias("value")
+        )
+
+    return series
+
+
+_EFFECTIVE_DOC = (
+    "(Σw)² / (P·Σw²) over the step's P prompt groups, w = the group's Σ|advantage| (the "
+    "advantage column, or GRPO's normalised reward when absent): the effective number of "
+    "prompts carrying the gradient, as a share of the nominal P. 1 = every prompt contributes "
+    "equally; a long-tailed prompt reward distribution drives it far below 1. Zero-σ groups "
+    "count in P with w = 0."
+)
+register_metric(
+    Metric(
+        id="signal.effective_prompt_frac",
+        layer="L3",
+        title="Effective prompt share",
+        doc=_EFFECTIVE_DOC,
+        healthy="> 0.5",
+        better="up",
+        references="Kish's effective sample size; seed §4",
+        variants=(
+            custom("rollouts", ("advantage",), _weights_series("w_adv"), dict([W_ADV]),
+                   source="rollouts.advantage"),
+            custom("rollouts", ("reward",), _weights_series("w_grpo"), dict([W_GRPO]),
+                   source="GRPO-normalised reward (no advantage column)"),
+        ),
+    )
+)
+
+
+def _tiers(weight: str):
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        w = pl.col(weight)
+        p = pl.col("n_correct").cast(pl.Float64) / pl.col("n")
+        hard, easy = p < HARD_BELOW, p > EASY_ABOVE
+        per_step = train(frame).group_by("step").agg(
+            w.sum().alias("w_sum"),
+            w.filter(~hard & ~easy).sum().alias("w_medium"),
+            w.filter(easy).sum().alias("w_easy"),
+            w.filter(hard).sum().alias("w_hard"),
+        )
+        total = pl.col("w_sum")
+        return per_step.select(
+            "step",
+            safe_div(pl.col("w_medium"), total).alias("value"),
+            safe_div(pl.col("w_easy"), total).alias("extra_easy"),
+            safe_div(pl.col("w_hard"), total).alias("extra_hard"),
+        )
+
+    return series
+
+
+_TIERS_DOC = (
+    "Share of the step's |advantage| mass that comes from medium-difficulty prompt groups. "
+    f"Tiers by group accuracy p = correct/n: hard p < {HARD_BELOW:.3g}, medium "
+    f"{HARD_BELOW:.3g} <= p <= {EASY_ABOVE:.3g}, easy p > {EASY_ABOVE:.3g} (all-correct and "
+    "all-wrong groups fall in easy and hard, with no mass under GRPO). The JSON gives the easy "
+    "and hard shares as components. Healthy training draws most of its gradient from medium "
+    "prompts; mass moving to easy prompts = stale curriculum, to hard = the policy is left "
+    "behind."
+)
+register_metric(
+    Metric(
+        id="signal.medium_adv_share",
+        layer="L3",
+        title="Advantage mass from medium prompts",
+        doc=_TIERS_DOC,
+        healthy="the largest of the three tiers (> 0.4)",
+        better="up",
+        references="seed §4 (gradient flow by difficulty)",
+        variants=(
+            custom("rollouts", ("advantage", "correct"), _tiers("w_adv"),
+                   dict([N, N_CORRECT, W_ADV]), source="rollouts.advantage"),
+            custom("rollouts", ("reward", "correct"), _tiers("w_grpo"),
+                   dict([N, N_CORRECT, W_GRPO]),
+                   source="GRPO-normalised reward (no advantage column)"),
+        ),
+    )
+)

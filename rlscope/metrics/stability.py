@@ -1,0 +1,153 @@
+"""L1 training stability: loss, gradient norm, clip fraction, KL to the reference, PPO KL."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import polars as pl
+
+from rlscope.engine import Context
+from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, step_sums
+from rlscope.registry import Metric, register_metric
+
+_d = f64("ref_logprob") - f64("logprob")
+K3 = _d.exp() - _d - 1.0
+
+register_metric(
+    Metric(
+        id="stability.loss",
+        layer="L1",
+        title="Policy loss",
+        doc="The trainer's logged loss per optimizer step. In policy-gradient RL the loss is not an "
+        "objective that must fall: its level depends on the advantage normalisation, and it can "
+        "keep falling while the policy degenerates. Read it for spikes and NaNs, not for progress.",
+        healthy="no spikes or NaNs; the level itself carries little meaning",
+        variants=(step_column("loss"),),
+    )
+)
+
+register_metric(
+    Metric(
+        id="stability.grad_norm",
+        layer="L1",
+        title="Gradient norm",
+        doc="The trainer's logged gradient norm (before clipping) per step. In sparse-reward runs "
+        "a spike usually coincides with one rollout of extreme reward; rlscope's grad-spike "
+        "finding names the step and its most extreme rollouts.",
+        healthy="smooth, slowly varying; isolated multiplicative outliers are spikes",
+        better="down",
+        variants=(step_column("grad_norm"),),
+    )
+)
+
+
+_ratio = (f64("logprob") - f64("old_logprob")).exp()
+_adv = f64("advantage")
+
+
+def clip_partials(meta: Mapping[str, Any]) -> dict[str, pl.Expr]:
+    """TRL's rule: low-clipped r < 1-ε_low with A < 0, high-clipped r > 1+ε_high with A > 0."""
+    eps_low = float(meta.get("clip_ratio_low") or 0.2)
+    high = meta.get("clip_ratio_high")
+    eps_high = float(high) if high is not None else eps_low
+    valid = _ratio.is_not_null() & _adv.is_not_null()
+    return {
+        "clip_low_n": ((_ratio < 1 - eps_low) & (_adv < 0)).cast(pl.Int64).sum(),
+        "clip_high_n": ((_ratio > 1 + eps_high) & (_adv > 0)).cast(pl.Int64).sum(),
+        "clip_ratio_n": valid.cast(pl.Int64).sum(),
+    }
+
+
+def _clip_from_ratio(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    sums = step_sums(frame, ["clip_low_n", "clip_high_n", "clip_ratio_n"])
+    n = pl.col("clip_ratio_n")
+    return sums.select(
+        "step",
+        safe_div(pl.col("clip_low_n") + pl.col("clip_high_n"), n).alias("value"),
+        safe_div(pl.col("clip_low_n"), n).alias("extra_low"),
+        safe_div(pl.col("clip_high_n"), n).alias("extra_high"),
+    )
+
+
+register_metric(
+    Metric(
+        id="stability.clip_frac",
+        layer="L1",
+        title="PPO clip fraction",
+        doc="Share of tokens whose PPO ratio clip is active. From the tokens' `clipped` flag when "
+        "logged; otherwise derived with TRL's rule from r = exp(logprob - old_logprob) and the "
+        "token advantage (low: r < 1-ε_low and A < 0; high: r > 1+ε_high and A > 0; ε from "
+        "run.json clip_ratio_low/high, default 0.2); otherwise the steps table's clip_frac. Fully "
+        "on-policy runs (one update per batch) have r = 1 and a clip fraction of 0 by "
+        "construction. Read with entropy: low entropy with a high clip fraction is the classic "
+        "instability (entropy-clip-conflict).",
+        healthy="moderate and stable, typically 0.001-0.05 with ε = 0.2; > 0.1 is aggressive",
+        references="TRL clip_ratio/{low,high,region}_mean; verl actor/pg_clipfrac",
+        variants=(
+            ratio_variant(
+                "tokens",
+                ("clipped",),
+                ("clip_n", f64("clipped").sum()),
+                ("clip_valid_n", pl.col("clipped").count()),
+                source="tokens.clipped",
+            ),
+            custom(
+                "tokens",
+                ("logprob", "old_logprob", "advantage"),
+                _clip_from_ratio,
+                clip_partials,
+                source="derived from the token ratio and advantage (TRL's rule)",
+            ),
+            step_column("clip_frac"),
+        ),
+    )
+)
+
+register_metric(
+    Metric(
+        id="stability.kl",
+        layer="L1",
+        title="KL to the reference policy (k3)",
+        doc="Token-mean k3 estimator of KL(π‖π_ref): with d = ref_logprob - logprob, "
+        "k3 = e^d - d - 1 (non-negative, low variance; TRL logs it as `kl`; verl's low_var_kl "
+        "additionally clamps to [-10, 10], rlscope does not). Without token log-probs, the steps "
+        "table's logged `kl`. The absolute value has no standard; the shape of the curve matters: "
+        "flat near zero = not moving from the base model, accelerating = drifting away from it.",
+        healthy="grows smoothly and sub-linearly from 0; neither flat at ~0 nor accelerating",
+        references="Schulman, 'Approximating KL divergence' (k1/k2/k3)",
+        variants=(
+            ratio_variant(
+                "tokens",
+                ("logprob", "ref_logprob"),
+                ("kl_sum", K3.sum()),
+                ("kl_n", K3.count()),
+                source="tokens: token-mean k3",
+            ),
+            step_column("kl"),
+        ),
+    )
+)
+
+_ppo = f64("old_logprob") - f64("logprob")
+register_metric(
+    Metric(
+        id="stability.ppo_kl",
+        layer="L1",
+        title="PPO KL (drift within one update)",
+        doc="Token-mean of old_logprob - logprob (verl's actor/ppo_kl): how far the updated "
+        "policy has moved from the behaviour policy that generated the batch. Zero for fully "
+        "on-policy single-update runs; large values mean the update overshoots the trust region.",
+        healthy="small (|ppo_kl| << 0.01 per token is typical) and stable",
+        references="verl actor/ppo_kl",
+        variants=(
+            ratio_variant(
+                "tokens",
+                ("logprob", "old_logprob"),
+                ("ppo_kl_sum", _ppo.sum()),
+                ("ppo_kl_n", _ppo.count()),
+                source="tokens: token-mean old_logprob - logprob",
+            ),
+        ),
+    )
+)

@@ -1,0 +1,158 @@
+"""Metric and Rule declarations and the one registry that holds them (ids are public API)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import polars as pl
+
+if TYPE_CHECKING:
+    from rlscope.engine import Context
+    from rlscope.rules.base import RuleContext
+
+#: The aggregation level each table's partials are computed at (one scan per table).
+#: steps: one row per step; rollouts: one row per (split, step, prompt_id) group;
+#: tokens: one row per (step, entropy bin) when token entropy exists, else per step.
+TABLE_LEVELS = ("steps", "rollouts", "tokens")
+
+SeriesFn = Callable[[pl.LazyFrame, "Context"], pl.LazyFrame]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of computing a metric from one table.
+
+    `partials` are named aggregations at the table's level (merged with every other metric's into
+    one scan; a name means the same expression everywhere), or a function of run.json returning
+    them; `series` turns the aggregated frame into a lazy per-step frame with columns `step`,
+    `value` and any component columns (`extra_<name>` ones are summarised in the JSON).
+    """
+
+    table: str
+    requires: tuple[str, ...]
+    series: SeriesFn
+    partials: Mapping[str, pl.Expr] | Callable[[Mapping[str, Any]], Mapping[str, pl.Expr]] = (
+        field(default_factory=dict)
+    )
+    source: str = ""
+    needs_meta: tuple[str, ...] = ()
+    # Why the series can be empty although the columns exist (shown in `skipped`).
+    empty_reason: str = ""
+
+    def resolve_partials(self, meta: Mapping[str, Any]) -> Mapping[str, pl.Expr]:
+        """The partials, given run.json (some depend on it, e.g. on the clip ratios)."""
+        return self.partials(meta) if callable(self.partials) else self.partials
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A self-describing metric: id, layer, doc, and the variants that can compute it."""
+
+    id: str
+    layer: str
+    title: str
+    doc: str
+    healthy: str
+    variants: tuple[Variant, ...]
+    unit: str = ""
+    # Which direction is better, for status colours and comparisons: "up", "down" or "" (band).
+    better: str = ""
+    references: str = ""
+
+    def explain(self) -> str:
+        lines = [f"{self.id}  ({self.layer}, metric)", "", self.title, "", self.doc, ""]
+        lines.append(f"Healthy: {self.healthy}")
+        lines.append("Computed from:")
+        for variant in self.variants:
+            cols = ", ".join(f"{variant.table}.{c}" for c in variant.requires)
+            meta = f" + run.json {', '.join(variant.needs_meta)}" if variant.needs_meta else ""
+            lines.append(f"  - {cols}{meta}" + (f"  [{variant.source}]" if variant.source else ""))
+        if self.references:
+            lines += ["", f"Sources: {self.references}"]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A rule threshold: its default and what it means (overridable in config)."""
+
+    default: float
+    doc: str
+
+
+RuleFn = Callable[["RuleContext"], Iterator[Any]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A diagnosis: reads metric series, yields findings; thresholds are data in `params`."""
+
+    id: str
+    layer: str
+    title: str
+    doc: str
+    remedy: str
+    metrics: tuple[str, ...]
+    params: Mapping[str, Param]
+    check: RuleFn
+    severity: str = "warn"
+
+    def explain(self) -> str:
+        lines = [f"{self.id}  ({self.layer}, finding, default severity {self.severity})", ""]
+        lines += [self.title, "", self.doc, "", f"What to try: {self.remedy}", ""]
+        lines.append(f"Reads: {', '.join(self.metrics)}")
+        if self.params:
+            lines.append("Thresholds (override under [findings.%s] in rlscope.toml):" % self.id)
+            for name, param in self.params.items():
+                lines.append(f"  {name} = {param.default:g}  — {param.doc}")
+        return "\n".join(lines)
+
+
+METRICS: dict[str, Metric] = {}
+RULES: dict[str, Rule] = {}
+
+
+def register_metric(metric: Metric) -> Metric:
+    if metric.id in METRICS:
+        raise ValueError(f"duplicate metric id {metric.id}")
+    METRICS[metric.id] = metric
+    return metric
+
+
+def rule(
+    id: str,
+    *,
+    layer: str,
+    title: str,
+    doc: str,
+    remedy: str,
+    metrics: tuple[str, ...],
+    params: Mapping[str, Param] | None = None,
+    severity: str = "warn",
+) -> Callable[[RuleFn], RuleFn]:
+    """Register a rule function under a stable id."""
+
+    def wrap(fn: RuleFn) -> RuleFn:
+        if id in RULES:
+            raise ValueError(f"duplicate rule id {id}")
+        RULES[id] = Rule(id, layer, title, doc, remedy, metrics, params or {}, fn, severity)
+        return fn
+
+    return wrap
+
+
+def load_all() -> None:
+    """Import every metric and rule module so the registry is complete."""
+    import rlscope.metrics.stability
+    import rlscope.metrics.behavior
+    import rlscope.metrics.signal
+    import rlscope.rules.stability
+    import rlscope.rules.behavior
+    import rlscope.rules.signal  # noqa: F401
+
+
+def lookup(id: str) -> Metric | Rule | None:
+    load_all()
+    return METRICS.get(id) or RULES.get(id)

@@ -1,0 +1,136 @@
+"""What a rule sees (RuleContext) and the series statistics rules share."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from rlscope.reader import Run
+from rlscope.registry import Rule
+from rlscope.report import Finding, MetricResult
+
+#: Rules that read a trend need at least this many steps with values (overridable per rule).
+MIN_TREND_STEPS = 10
+
+
+@dataclass(frozen=True)
+class Series:
+    """A metric's per-step values as float arrays (NaN where the metric is undefined)."""
+
+    steps: np.ndarray
+    values: np.ndarray
+
+    @classmethod
+    def of(cls, result: MetricResult) -> Series:
+        values = np.array([np.nan if v is None else v for v in result.values], dtype=np.float64)
+        keep = np.isfinite(values)
+        return cls(np.asarray(result.steps, dtype=np.int64)[keep], values[keep])
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Mean of the first and the last window of a series and how sure their difference is."""
+
+    first: float
+    last: float
+    delta: float
+    z: float
+    first_steps: tuple[int, int]
+    last_steps: tuple[int, int]
+
+
+def window_size(n: int, fraction: float = 0.2, minimum: int = 3) -> int:
+    return min(n, max(minimum, math.ceil(fraction * n)))
+
+
+def compare_windows(series: Series, fraction: float = 0.2) -> Windows:
+    """First vs last window (each `fraction` of the steps, >= 3): delta and a z-score whose noise
+    is the step-to-step scatter within each window (so it holds at any batch size)."""
+    n = len(series)
+    w = window_size(n, fraction)
+    a, b = series.values[:w], series.values[-w:]
+    se = math.sqrt(_var(a) / len(a) + _var(b) / len(b))
+    delta = float(b.mean() - a.mean())
+    z = delta / se if se > 0 else (math.inf if delta > 0 else -math.inf if delta < 0 else 0.0)
+    steps = series.steps
+    return Windows(
+        float(a.mean()),
+        float(b.mean()),
+        delta,
+        z,
+        (int(steps[0]), int(steps[w - 1])),
+        (int(steps[-w]), int(steps[-1])),
+    )
+
+
+def _var(x: np.ndarray) -> float:
+    return float(x.var(ddof=1)) if len(x) > 1 else 0.0
+
+
+def final_mean(series: Series, fraction: float = 0.1, minimum: int = 3) -> float:
+    return float(series.values[-window_size(len(series), fraction, minimum):].mean())
+
+
+def rolling_median(values: np.ndarray, window: int) -> np.ndarray:
+    """Centred rolling median; the window shrinks at the edges."""
+    half = window // 2
+    n = len(values)
+    return np.array(
+        [np.median(values[max(0, i - half) : min(n, i + half + 1)]) for i in range(n)]
+    )
+
+
+class RuleContext:
+    """The metric results, per-step frames and run a rule reads, with its resolved params."""
+
+    def __init__(
+        self,
+        rule: Rule,
+        params: Mapping[str, float],
+        severity: str,
+        results: Mapping[str, MetricResult],
+        frames: Mapping[str, pl.DataFrame],
+        run: Run,
+    ) -> None:
+        self.rule = rule
+        self.params = dict(params)
+        self.severity = severity
+        self.results = results
+        self.frames = frames
+        self.run = run
+
+    def series(self, metric_id: str) -> Series | None:
+        result = self.results.get(metric_id)
+        return Series.of(result) if result is not None else None
+
+    def frame(self, metric_id: str) -> pl.DataFrame | None:
+        """The per-step frame with component columns (for pooled window statistics)."""
+        return self.frames.get(metric_id)
+
+    def finding(self, message: str, *, severity: str | None = None, **evidence: Any) -> Finding:
+        evidence.setdefault("metrics", list(self.rule.metrics))
+        return Finding(self.rule.id, severity or self.severity, self.rule.layer, message, evidence)
+
+
+def pooled_corr(frame: pl.DataFrame, first_step: int | None = None) -> tuple[float, float] | None:
+    """Pooled within-group correlation Σsxy / sqrt(Σsxx·Σsyy) over steps >= first_step, and its
+    degrees of freedom Σ(n - 1) (the z-score of r is about r·sqrt(dof))."""
+    if first_step is not None:
+        frame = frame.filter(pl.col("step") >= first_step)
+    sums = frame.select(pl.col("sxx", "syy", "sxy", "dof").sum()).row(0)
+    sxx, syy, sxy, dof = (float(v or 0.0) for v in sums)
+    if sxx <= 0 or syy <= 0:
+        return None
+    return sxy / math.sqrt(sxx * syy), dof
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.0f}%"

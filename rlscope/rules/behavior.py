@@ -1,0 +1,246 @@
+"""L2 findings: entropy collapse, spurious length growth, overthinking, truncation, tools."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import polars as pl
+
+from rlscope.registry import Param, rule
+from rlscope.report import Finding
+from rlscope.rules.base import (
+    MIN_TREND_STEPS,
+    RuleContext,
+    compare_windows,
+    final_mean,
+    pct,
+    pooled_corr,
+    rolling_median,
+)
+
+
+@rule(
+    "entropy-collapse",
+    layer="L2",
+    title="Entropy collapsed early",
+    doc="Token entropy lost at least `min_drop` of its initial value over the run, and at least "
+    "`early_share` of that loss happened within the first `early_fraction` of the steps. A "
+    "smooth decline (even an exponential one over the run) spreads the loss out and stays "
+    "silent; a collapse is a cliff followed by a floor. Collapse almost always precedes "
+    "saturated performance: with no entropy left the policy stops exploring.",
+    remedy="lower the learning rate; use clip-higher (DAPO), Clip-Cov/KL-Cov or an entropy "
+    "bonus; check for a too-low sampling temperature; raise the KL coefficient.",
+    metrics=("behavior.entropy",),
+    params={
+        "min_drop": Param(0.5, "entropy lost over the run, as a share of its initial value"),
+        "early_fraction": Param(0.2, "the 'early' part of the run, as a share of its steps"),
+        "early_share": Param(0.75, "share of the total loss that happened early"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+    severity="critical",
+)
+def entropy_collapse(ctx: RuleContext) -> Iterator[Finding]:
+    entropy = ctx.series("behavior.entropy")
+    p = ctx.params
+    if entropy is None or len(entropy) < p["min_steps"]:
+        return
+    smooth = rolling_median(entropy.values, 3)
+    start, end = float(smooth[0]), final_mean(entropy)
+    if start <= 0 or not math.isfinite(start):
+        return
+    drop = start - end
+    if drop / start < p["min_drop"]:
+        return
+    early_index = math.ceil(p["early_fraction"] * (len(smooth) - 1))
+    early_loss = (start - float(smooth[early_index])) / drop
+    if early_loss >= p["early_share"]:
+        halfway = int(np.argmax(smooth <= start - drop / 2))
+        yield ctx.finding(
+            f"Entropy fell from {start:.3g} to {end:.3g} nats ({pct(drop / start)} lost), "
+            f"{pct(min(early_loss, 1.0))} of it by step {int(entropy.steps[early_index])}; half "
+            f"was gone by step {int(entropy.steps[halfway])}.",
+            entropy_start=start,
+            entropy_end=end,
+            early_loss_share=early_loss,
+            steps=[int(entropy.steps[0]), int(entropy.steps[halfway])],
+        )
+
+
+@rule(
+    "spurious-length-growth",
+    layer="L2",
+    title="Responses grow longer without getting more correct",
+    doc="Mean response length grew by at least `growth_min` (last vs first fifth of the run, "
+    "significant at z > 2), while within prompts length and correctness are unrelated (pooled "
+    "within-group correlation |r| < `corr_max`) and pass@1 rose by less than `acc_rise_max`. "
+    "The seed's 'spurious length growth': a length bias of the objective (Dr. GRPO: GRPO's 1/|o| "
+    "normalisation favours long wrong answers) rather than longer reasoning that helps.",
+    remedy="use token-level or constant length normalisation (Dr. GRPO, DAPO's token-level "
+    "loss); add an overlong penalty; inspect long responses for repetition.",
+    metrics=("behavior.response_len", "behavior.len_correct_corr", "signal.pass_at_1"),
+    params={
+        "growth_min": Param(0.2, "relative growth of the mean length"),
+        "corr_max": Param(0.05, "|within-prompt correlation| below this counts as none"),
+        "acc_rise_max": Param(0.05, "pass@1 rising less than this counts as flat"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+)
+def spurious_length_growth(ctx: RuleContext) -> Iterator[Finding]:
+    length, acc = ctx.series("behavior.response_len"), ctx.series("signal.pass_at_1")
+    corr_frame = ctx.frame("behavior.len_correct_corr")
+    p = ctx.params
+    if length is None or acc is None or corr_frame is None or len(length) < p["min_steps"]:
+        return
+    grow, acc_trend = compare_windows(length), compare_windows(acc)
+    pooled = pooled_corr(corr_frame)
+    if pooled is None or grow.first <= 0:
+        return
+    r, _ = pooled
+    growth = grow.last / grow.first - 1
+    if growth >= p["growth_min"] and grow.z > 2 and abs(r) < p["corr_max"] and (
+        acc_trend.delta < p["acc_rise_max"]
+    ):
+        yield ctx.finding(
+            f"Mean length grew {pct(growth)} ({grow.first:.0f} → {grow.last:.0f} tokens) while "
+            f"pass@1 moved {acc_trend.delta:+.3f} and length is unrelated to correctness within "
+            f"prompts (r = {r:+.3f}).",
+            length_first=grow.first,
+            length_last=grow.last,
+            within_prompt_corr=r,
+            pass_at_1_delta=acc_trend.delta,
+            steps=[grow.first_steps[0], grow.last_steps[1]],
+        )
+
+
+@rule(
+    "overthinking",
+    layer="L2",
+    title="Longer responses are less often correct",
+    doc="Over the second half of the run, the pooled within-prompt correlation of length and "
+    "correctness is at most `corr_max` and significantly negative (r·sqrt(dof) <= -`z`): for "
+    "the same prompt, longer attempts fail more. Overthinking or hallucinating past the answer; "
+    "length growth then costs compute and accuracy.",
+    remedy="add a length penalty or overlong shaping; check for repetition loops and for "
+    "answers buried in or after long reasoning; lower max_response_len.",
+    metrics=("behavior.len_correct_corr",),
+    params={
+        "corr_max": Param(-0.1, "pooled within-prompt correlation at or below this"),
+        "z": Param(3.0, "and at least this many standard errors below 0"),
+    },
+)
+def overthinking(ctx: RuleContext) -> Iterator[Finding]:
+    frame = ctx.frame("behavior.len_correct_corr")
+    if frame is None or frame.height == 0:
+        return
+    steps = frame["step"].sort()
+    half = int(steps[len(steps) // 2])
+    pooled = pooled_corr(frame, first_step=half)
+    if pooled is None:
+        return
+    r, dof = pooled
+    if r <= ctx.params["corr_max"] and r * math.sqrt(max(dof, 1.0)) <= -ctx.params["z"]:
+        yield ctx.finding(
+            f"Within prompts, longer responses are less often correct (r = {r:+.3f} over steps "
+            f"{half}–{int(steps[-1])}).",
+            within_prompt_corr=r,
+            dof=dof,
+            steps=[half, int(steps[-1])],
+        )
+
+
+def _level_rule(ctx: RuleContext, metric_id: str, what: str) -> Iterator[Finding]:
+    series = ctx.series(metric_id)
+    if series is None or len(series) == 0:
+        return
+    level = final_mean(series)
+    if level >= ctx.params["critical_at"]:
+        severity = "critical"
+    elif level >= ctx.params["warn_at"]:
+        severity = "warn"
+    else:
+        return
+    yield ctx.finding(
+        f"{pct(level)} of rollouts {what} over the last steps.",
+        severity=severity,
+        final_value=level,
+        steps=[int(series.steps[-1])],
+    )
+
+
+@rule(
+    "truncation",
+    layer="L2",
+    title="Many responses hit the length cap",
+    doc="Final-window truncation rate at least `warn_at` (critical at `critical_at`). Truncated "
+    "responses are usually scored wrong for a reason unrelated to the task, so the reward "
+    "penalises length, not mistakes, and the run learns to stop early or never finishes.",
+    remedy="raise max_response_len; use overlong filtering or soft overlong punishment (DAPO); "
+    "check for repetition loops in truncated responses.",
+    metrics=("behavior.truncation_rate",),
+    params={
+        "warn_at": Param(0.05, "final-window truncation rate for a warning"),
+        "critical_at": Param(0.2, "final-window truncation rate for a critical finding"),
+    },
+)
+def truncation(ctx: RuleContext) -> Iterator[Finding]:
+    yield from _level_rule(ctx, "behavior.truncation_rate", "hit the length cap")
+
+
+@rule(
+    "tool-cap-saturation",
+    layer="L2",
+    title="Rollouts run into the tool-call cap",
+    doc="Final-window share of rollouts at run.json max_tool_calls at least `warn_at` "
+    "(critical at `critical_at`): the policy calls tools mechanically until stopped. Reward may "
+    "look fine while cost and latency multiply.",
+    remedy="penalise tool calls beyond need (OTC-style tool-efficiency reward); inspect "
+    "redundant calls; check the tool's responses are actually used.",
+    metrics=("behavior.tool_cap_frac",),
+    params={
+        "warn_at": Param(0.2, "final-window share at the cap for a warning"),
+        "critical_at": Param(0.5, "final-window share at the cap for a critical finding"),
+    },
+)
+def tool_cap_saturation(ctx: RuleContext) -> Iterator[Finding]:
+    yield from _level_rule(ctx, "behavior.tool_cap_frac", "reach the tool-call cap")
+
+
+@rule(
+    "tool-call-instability",
+    layer="L2",
+    title="Tool use varies wildly for the same prompt",
+    doc="Over the final fifth of the run, the pooled within-prompt standard deviation of tool "
+    "calls is more than `cv_max` times the mean number of calls (and the mean is at least "
+    "`min_calls`): for one prompt the policy sometimes calls no tool and sometimes many. The "
+    "seed's 'high variance = unstable policy'.",
+    remedy="lower the learning rate; shape the reward for consistent tool use; check that tool "
+    "failures are handled the same way across rollouts.",
+    metrics=("behavior.tool_calls_std", "behavior.tool_calls"),
+    params={
+        "cv_max": Param(0.8, "within-prompt std / mean calls above this is unstable"),
+        "min_calls": Param(0.5, "only judged when rollouts make at least this many calls"),
+    },
+)
+def tool_call_instability(ctx: RuleContext) -> Iterator[Finding]:
+    frame = ctx.frame("behavior.tool_calls_std")
+    if frame is None or frame.height == 0:
+        return
+    steps = frame["step"].sort()
+    first = int(steps[min(len(steps) - 1, int(0.8 * len(steps)))])
+    window = frame.filter(pl.col("step") >= first)
+    sxx, dof = (float(window[c].sum() or 0.0) for c in ("sxx", "dof"))
+    mean_calls = float(np.nanmean(window["mean_calls"].cast(pl.Float64).to_numpy()))
+    if dof <= 0 or not math.isfinite(mean_calls) or mean_calls < ctx.params["min_calls"]:
+        return
+    cv = math.sqrt(sxx / dof) / mean_calls
+    if cv > ctx.params["cv_max"]:
+        yield ctx.finding(
+            f"For the same prompt, tool calls vary by ±{math.sqrt(sxx / dof):.2f} around a mean "
+            f"of {mean_calls:.2f} (CV {cv:.2f}) over steps {first}–{int(steps[-1])}.",
+            within_prompt_std=math.sqrt(sxx / dof),
+            mean_calls=mean_calls,
+            cv=cv,
+            steps=[first, int(steps[-1])],
+        )
