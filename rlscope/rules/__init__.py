@@ -24,7 +24,7 @@ def evaluate(computed: Computed, run: Run, config: Config) -> tuple[list[Finding
             continue
         params = {name: float(override.get(name, param.default))
                   for name, param in rule.params.items()}
-        severity = str(override.get("severity", rule.severity))
+        severity = override.get("severity")
         ctx = RuleContext(rule, params, severity, computed.results, computed.frames, run)
         findings.extend(rule.check(ctx))
     findings.sort(key=lambda f: (-severity_rank(f.severity), f.layer, f.id))

@@ -95,14 +95,14 @@ class RuleContext:
         self,
         rule: Rule,
         params: Mapping[str, float],
-        severity: str,
+        severity_override: str | None,
         results: Mapping[str, MetricResult],
         frames: Mapping[str, pl.DataFrame],
         run: Run,
     ) -> None:
         self.rule = rule
         self.params = dict(params)
-        self.severity = severity
+        self.severity_override = severity_override
         self.results = results
         self.frames = frames
         self.run = run
@@ -116,8 +116,10 @@ class RuleContext:
         return self.frames.get(metric_id)
 
     def finding(self, message: str, *, severity: str | None = None, **evidence: Any) -> Finding:
+        """A finding of this rule; a severity set in config wins over the rule's own choice."""
         evidence.setdefault("metrics", list(self.rule.metrics))
-        return Finding(self.rule.id, severity or self.severity, self.rule.layer, message, evidence)
+        chosen = self.severity_override or severity or self.rule.severity
+        return Finding(self.rule.id, chosen, self.rule.layer, message, evidence)
 
 
 def pooled_corr(frame: pl.DataFrame, first_step: int | None = None) -> tuple[float, float] | None:

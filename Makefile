@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv as needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format samples bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rlscope analyze sample_logs/healthy --fail-on never
+	$(BIN)/rlscope analyze sample_logs/entropy-collapse --fail-on never
+
+test: $(STAMP)
+	$(BIN)/ruff check rlscope tests
+	$(BIN)/ruff format --check rlscope tests
+	$(BIN)/python -m pytest
+
+format: $(STAMP)
+	$(BIN)/ruff format rlscope tests
+	$(BIN)/ruff check --fix rlscope tests
+
+# Regenerate the committed sample runs (deterministic).
+samples: $(STAMP)
+	rm -rf sample_logs/healthy sample_logs/entropy-collapse
+	$(BIN)/rlscope synth sample_logs/healthy --scenario healthy --steps 120 --prompts 16 --seed 1
+	$(BIN)/rlscope synth sample_logs/entropy-collapse --scenario entropy-collapse --steps 120 --prompts 16 --seed 2
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_analyze.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Renderers: the Report as a terminal report or a JSON document."""

@@ -1,0 +1,11 @@
+"""The Report as one strict-JSON document (no NaN, no inf)."""
+
+from __future__ import annotations
+
+import json
+
+from rlscope.report import Report
+
+
+def render_json(report: Report) -> str:
+    return json.dumps(report.to_dict(), indent=2, ensure_ascii=False, allow_nan=False)

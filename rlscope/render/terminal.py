@@ -1,0 +1,146 @@
+"""The Report as a Rich terminal report: header, one panel per layer, findings by severity."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from rlscope.report import LAYERS, Finding, Report, severity_rank
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 24
+SEVERITY_STYLE = {"critical": "bold red", "warn": "yellow", "info": "cyan"}
+
+
+def sparkline(values: Sequence[float | None], width: int = 24) -> str:
+    """Values resampled to `width` buckets (bucket means) and drawn with block characters."""
+    points = [v for v in values if v is not None and math.isfinite(v)]
+    if not points:
+        return ""
+    if len(points) > width:
+        edges = [round(i * len(points) / width) for i in range(width + 1)]
+        points = [sum(points[a:b]) / (b - a) for a, b in zip(edges, edges[1:], strict=False)
+                  if b > a]
+    lo, hi = min(points), max(points)
+    if hi - lo <= 1e-12 * max(1.0, abs(hi)):
+        return BLOCKS[3] * len(points)
+    scale = (len(BLOCKS) - 1) / (hi - lo)
+    return "".join(BLOCKS[round((v - lo) * scale)] for v in points)
+
+
+def format_value(value: float | None) -> str:
+    if value is None:
+        return "—"
+    magnitude = abs(value)
+    if magnitude != 0 and (magnitude < 1e-3 or magnitude >= 1e5):
+        return f"{value:.3e}"
+    if magnitude >= 100:
+        return f"{value:,.1f}"
+    return f"{value:.4f}"
+
+
+def _metric_status(report: Report) -> dict[str, Finding]:
+    worst: dict[str, Finding] = {}
+    for finding in report.findings:
+        for metric_id in finding.evidence.get("metrics", []):
+            current = worst.get(metric_id)
+            if current is None or severity_rank(finding.severity) > severity_rank(current.severity):
+                worst[metric_id] = finding
+    return worst
+
+
+def _header(report: Report) -> Panel:
+    run = report.run
+    steps = (
+        f"{run.n_steps} ({run.first_step}–{run.last_step})" if run.first_step is not None else "0"
+    )
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for label, value in (
+        ("run", f"{run.run_id}  [{run.algorithm}]"),
+        ("path", run.path),
+        ("steps", steps),
+        ("rollouts", f"{run.n_rollouts:,} in {run.n_groups:,} train groups"),
+        ("tokens", f"{run.n_tokens:,}"),
+        ("tables", ", ".join(run.tables)),
+    ):
+        grid.add_row(label, Text(str(value)))
+    return Panel(grid, title="rlscope analyze", title_align="left")
+
+
+def _layer_panel(report: Report, layer: str, status: dict[str, Finding]) -> Panel | None:
+    metrics = [m for m in report.metrics.values() if m.layer == layer]
+    skipped = [s for s in report.skipped if _layer_of(s.metric) == layer]
+    if not metrics and not skipped:
+        return None
+    table = Table(box=None, pad_edge=False, padding=(0, 2))
+    table.add_column("metric", no_wrap=True, min_width=max((len(m.id) for m in metrics), default=6))
+    table.add_column("value", justify="right", no_wrap=True, min_width=10)
+    table.add_column("trend", no_wrap=True, min_width=SPARK_WIDTH)
+    table.add_column("status", no_wrap=True)
+    for metric in metrics:
+        finding = status.get(metric.id)
+        if finding is None:
+            state = Text("ok", style="green")
+        else:
+            state = Text(finding.id, style=SEVERITY_STYLE[finding.severity])
+        table.add_row(
+            Text(metric.id, style="bold"),
+            format_value(metric.value),
+            Text(sparkline(metric.values, SPARK_WIDTH), style="blue"),
+            state,
+        )
+    lines: list = [table] if metrics else []
+    for skip in skipped:
+        lines.append(Text(f"skipped {skip.metric}: {skip.reason}", style="dim"))
+    return Panel(Group(*lines), title=f"{layer} {LAYERS[layer]}", title_align="left")
+
+
+def _layer_of(metric_id: str) -> str | None:
+    from rlscope.registry import METRICS
+
+    metric = METRICS.get(metric_id)
+    return metric.layer if metric else None
+
+
+def _findings(report: Report) -> Panel:
+    if not report.findings:
+        body: Text | Table | Group = Text("No findings: nothing at info level or above.", style="green")
+    else:
+        body = Table(expand=True, box=None, pad_edge=False, show_header=False)
+        body.add_column(no_wrap=True)
+        body.add_column(no_wrap=True)
+        body.add_column(ratio=1)
+        for finding in report.findings:
+            body.add_row(
+                Text(finding.severity.upper(), style=SEVERITY_STYLE[finding.severity]),
+                Text(f"{finding.id} ({finding.layer})", style="bold"),
+                Text(finding.message),
+            )
+    unchecked = [s for s in report.skipped if _layer_of(s.metric) is None]
+    if unchecked:
+        names = ", ".join(s.metric for s in unchecked)
+        body = Group(body, Text(f"not checked (inputs missing): {names}", style="dim"))
+    return Panel(body, title="Findings", title_align="left")
+
+
+def render_terminal(report: Report, console: Console) -> None:
+    parts: list = [_header(report)]
+    status = _metric_status(report)
+    for layer in LAYERS:
+        panel = _layer_panel(report, layer, status)
+        if panel is not None:
+            parts.append(panel)
+    parts.append(_findings(report))
+    for note in report.notes:
+        parts.append(Text(f"note: {note}", style="dim"))
+    for warning in report.warnings:
+        parts.append(Text(f"warning: {warning}", style="yellow"))
+    parts.append(Text("`rlscope explain ID` explains any metric or finding.", style="dim"))
+    console.print(Group(*parts))

@@ -1,0 +1,88 @@
+"""Every finding fires on the synthetic run built to show it and stays silent on healthy runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlscope.analysis import analyze
+from rlscope.config import Config
+from rlscope.registry import RULES, load_all
+from rlscope.report import Report
+from rlscope.synth import SCENARIOS, generate
+
+load_all()
+
+# Scenario -> the finding it is built to show (scenarios are named after their finding).
+EXPECTED = {name: name.removesuffix("-hard") for name in SCENARIOS if name != "healthy"}
+
+# Sizes that differ in run length, batch and group size: thresholds must hold at all of them.
+SIZES = {
+    "short-small": dict(steps=30, prompts_per_step=8, group_size=8),
+    "long-wide": dict(steps=160, prompts_per_step=48, group_size=16),
+}
+TOKEN_FINDINGS = {"entropy-collapse", "entropy-clip-conflict", "kl-stalled", "kl-runaway"}
+
+
+def _run(tmp: Path, scenario: str, size: str, seed: int, tokens: bool) -> Report:
+    path = generate(tmp / f"{scenario}-{size}-{seed}", scenario, seed=seed, tokens=tokens,
+                    **SIZES[size])
+    return analyze(path, config=Config())
+
+
+def _alarms(report: Report) -> list[str]:
+    return [f"{f.id}: {f.message}" for f in report.findings if f.severity in ("warn", "critical")]
+
+
+def test_every_finding_has_a_scenario() -> None:
+    assert set(EXPECTED.values()) == set(RULES)
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_run_raises_no_alarm(tmp_path: Path, size: str, seed: int) -> None:
+    report = _run(tmp_path, "healthy", size, seed, tokens=seed == 0)
+    assert _alarms(report) == []
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("scenario", sorted(EXPECTED))
+def test_finding_fires_on_its_scenario(tmp_path: Path, scenario: str, size: str) -> None:
+    expected = EXPECTED[scenario]
+    report = _run(tmp_path, scenario, size, seed=3, tokens=expected in TOKEN_FINDINGS)
+    fired = {f.id: f for f in report.findings}
+    assert expected in fired, f"{expected} did not fire; got {_alarms(report)}"
+    finding = fired[expected]
+    assert finding.severity in ("warn", "critical")
+    assert finding.message and finding.evidence.get("steps")
+
+
+def test_dead_prompts_says_which_side(tmp_path: Path) -> None:
+    easy = _run(tmp_path, "dead-prompts", "short-small", 0, tokens=False)
+    hard = _run(tmp_path, "dead-prompts-hard", "short-small", 0, tokens=False)
+    easy_f = next(f for f in easy.findings if f.id == "dead-prompts")
+    hard_f = next(f for f in hard.findings if f.id == "dead-prompts")
+    assert easy_f.evidence["side"] == "too easy" and "too easy" in easy_f.message
+    assert hard_f.evidence["side"] == "too hard" and "too hard" in hard_f.message
+
+
+def test_grad_spike_names_the_extreme_rollouts(tmp_path: Path) -> None:
+    report = _run(tmp_path, "grad-spike", "long-wide", 0, tokens=False)
+    spike = next(f for f in report.findings if f.id == "grad-spike")
+    rollouts = spike.evidence["rollouts"]
+    assert set(rollouts) == set(spike.evidence["steps"])
+    # The synthetic spike steps each hold one rollout of extreme reward: it must be named first.
+    assert all(entries[0]["reward"] >= 20 for entries in rollouts.values())
+
+
+def test_config_overrides_thresholds_and_disables(tmp_path: Path) -> None:
+    path = generate(tmp_path / "trunc", "truncation", steps=30, prompts_per_step=8, tokens=False)
+    assert any(f.id == "truncation" for f in analyze(path, config=Config()).findings)
+    off = Config(findings={"truncation": {"enabled": False}})
+    assert not any(f.id == "truncation" for f in analyze(path, config=off).findings)
+    lenient = Config(findings={"truncation": {"warn_at": 0.99, "critical_at": 0.999}})
+    assert not any(f.id == "truncation" for f in analyze(path, config=lenient).findings)
+    info = Config(findings={"truncation": {"severity": "info", "critical_at": 2.0}})
+    found = [f for f in analyze(path, config=info).findings if f.id == "truncation"]
+    assert [f.severity for f in found] == ["info"]
