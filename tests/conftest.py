@@ -1,0 +1,79 @@
+"""Shared fixtures: writing small synthetic run directories and checking metric series."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlscope.report import MetricResult
+from rlscope.writer import RunWriter
+
+#: table -> one batch (dict of columns) or a list of batches, each written to its own file;
+#: "steps" -> a list of row dicts (each with `step`).
+Tables = Mapping[str, Any]
+WriteRun = Callable[..., Path]
+CheckSeries = Callable[..., None]
+
+
+@pytest.fixture
+def write_run(tmp_path: Path) -> WriteRun:
+    """`write_run(tables, **run_json_fields) -> run dir`, written with RunWriter."""
+    names = count()
+
+    def write(tables: Tables, *, name: str | None = None, **meta: Any) -> Path:
+        path = tmp_path / (name or f"run{next(names)}")
+        with RunWriter(path, run_id=path.name, algorithm="GRPO", **meta) as writer:
+            for table, data in tables.items():
+                if table == "steps":
+                    for row in data:
+                        writer.log_step(**row)
+                    writer.flush()
+                    continue
+                for batch in [data] if isinstance(data, Mapping) else data:
+                    getattr(writer, f"log_{table}")(batch)
+                    writer.flush()  # one file per batch
+        return path
+
+    return write
+
+
+def final_window(values: Sequence[float]) -> float:
+    """The summary, computed independently: mean of the last 10% of values, at least one."""
+    n = max(1, math.ceil(len(values) / 10))
+    tail = list(values)[-n:]
+    return sum(tail) / len(tail)
+
+
+def _close(a: float, b: float, rel: float, abs_: float) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+
+@pytest.fixture
+def check_series() -> CheckSeries:
+    """`check_series(result, {step: value}, rel=, abs=)`: the defined per-step values are exactly
+    the expected ones (steps with an expected None must be undefined) and the summary is their
+    final-window mean."""
+
+    def check(
+        result: MetricResult,
+        expected: Mapping[int, float | None],
+        *,
+        rel: float = 1e-9,
+        abs: float = 1e-12,
+    ) -> None:
+        got = {s: v for s, v in zip(result.steps, result.values, strict=True) if v is not None}
+        want = {s: v for s, v in expected.items() if v is not None}
+        assert list(result.steps) == sorted(result.steps), f"{result.id}: steps not sorted"
+        assert sorted(got) == sorted(want), f"{result.id}: defined at {sorted(got)}"
+        bad = {s: (got[s], want[s]) for s in want if not _close(got[s], want[s], rel, abs)}
+        assert not bad, f"{result.id}: (got, expected) per step {bad}"
+        summary = final_window([want[s] for s in sorted(want)])
+        assert result.value is not None
+        assert _close(result.value, summary, rel, abs), (result.id, result.value, summary)
+
+    return check
