@@ -41,15 +41,6 @@ class Context:
     pass_k: int | None = None
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def clip_low(self) -> float:
-        return float(self.meta.get("clip_ratio_low") or 0.2)
-
-    @property
-    def clip_high(self) -> float:
-        value = self.meta.get("clip_ratio_high")
-        return float(value) if value is not None else self.clip_low
-
 
 @dataclass(frozen=True)
 class Computed:
@@ -107,6 +98,7 @@ def aggregate_query(run: Run, table: str, partials: dict[str, pl.Expr]) -> pl.La
     exprs = [expr.alias(name) for name, expr in partials.items()]
     if table == "rollouts":
         keys: list[Any] = list(GROUP_KEYS)
+        lf = lf.filter(pl.col("reward").is_not_null())  # counted in the reader's warnings
     elif table == "tokens" and "entropy" in run.tables["tokens"].columns:
         keys = ["step", entropy_bin()]
     else:

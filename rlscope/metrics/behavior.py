@@ -58,18 +58,25 @@ register_metric(
 
 
 def _entropy_quantile(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
-    # Rank of the quantile among a step's n values (numpy's linear definition: q·(n-1));
-    # the answer is the midpoint of the first bin whose cumulative count passes that rank.
+    # numpy's linear quantile: the value at rank h = q·(n-1), interpolated between the values of
+    # ranks floor(h) and ceil(h); each value is known to its bin, so we use the bin midpoint.
     binned = frame.filter(pl.col("entropy_bin").is_not_null() & (pl.col("ent_n") > 0))
     ordered = binned.sort("step", "entropy_bin").with_columns(
         pl.col("ent_n").cum_sum().over("step").alias("cum"),
-        pl.col("ent_n").sum().over("step").alias("total"),
+        (ENTROPY_QUANTILE * (pl.col("ent_n").sum().over("step") - 1)).alias("rank"),
     )
-    hit = ordered.filter(pl.col("cum") > ENTROPY_QUANTILE * (pl.col("total") - 1))
-    return hit.group_by("step").agg(
-        ((pl.col("entropy_bin").first().cast(pl.Float64) + 0.5) / ENTROPY_BINS_PER_NAT).alias(
-            "value"
+    midpoint = (pl.col("entropy_bin").first().cast(pl.Float64) + 0.5) / ENTROPY_BINS_PER_NAT
+
+    def value_at(rank: pl.Expr, name: str) -> pl.LazyFrame:
+        return ordered.filter(pl.col("cum") > rank).group_by("step").agg(
+            midpoint.alias(name), pl.col("rank").first()
         )
+
+    low = value_at(pl.col("rank").floor(), "low")
+    high = value_at(pl.col("rank").ceil(), "high").drop("rank")
+    weight = pl.col("rank") - pl.col("rank").floor()
+    return low.join(high, on="step").select(
+        "step", (pl.col("low") + weight * (pl.col("high") - pl.col("low"))).alias("value")
     )
 
 
@@ -80,8 +87,9 @@ register_metric(
         title="80th percentile of token entropy",
         doc="Per-step 80th percentile of token entropy: the threshold above which the 'forking' "
         "minority of high-entropy tokens lies (these carry most of the useful gradient). Computed "
-        f"from a histogram with {ENTROPY_BINS_PER_NAT} bins per nat, so it is exact to "
-        f"{1 / ENTROPY_BINS_PER_NAT:g} nats with memory independent of the number of tokens.",
+        f"from a histogram with {ENTROPY_BINS_PER_NAT} bins per nat: within "
+        f"{0.5 / ENTROPY_BINS_PER_NAT:g} nats of numpy's linear quantile, with memory "
+        "independent of the number of tokens.",
         healthy="stays clearly above 0 (0.672 nats on Qwen3-8B CoT); falling to ~0 means even "
         "forking tokens have become deterministic",
         better="up",

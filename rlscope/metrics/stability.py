@@ -48,8 +48,8 @@ _adv = f64("advantage")
 
 def clip_partials(meta: Mapping[str, Any]) -> dict[str, pl.Expr]:
     """TRL's rule: low-clipped r < 1-ε_low with A < 0, high-clipped r > 1+ε_high with A > 0."""
-    eps_low = float(meta.get("clip_ratio_low") or 0.2)
-    high = meta.get("clip_ratio_high")
+    low, high = meta.get("clip_ratio_low"), meta.get("clip_ratio_high")
+    eps_low = float(low) if low is not None else 0.2
     eps_high = float(high) if high is not None else eps_low
     valid = _ratio.is_not_null() & _adv.is_not_null()
     return {

@@ -1,0 +1,192 @@
+"""The real `rlscope` command: output, exit codes, bad-input messages, read-only analysis."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlscope.synth import generate
+
+ISSUE_METRICS = """
+stability.loss stability.grad_norm stability.clip_frac stability.kl stability.ppo_kl
+behavior.entropy behavior.entropy_p80 behavior.entropy_adv_cov behavior.response_len
+behavior.response_len_correct behavior.response_len_incorrect behavior.truncation_rate
+behavior.len_correct_corr behavior.tool_calls behavior.tool_cap_frac signal.reward
+signal.group_std signal.zero_std_frac signal.all_correct_frac signal.all_wrong_frac
+signal.pass_at_1 signal.pass_at_k signal.pass_gap signal.effective_prompt_frac
+signal.medium_adv_share
+""".split()
+
+
+def rlscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rlscope", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("cli") / "healthy", "healthy", steps=30,
+                    prompts_per_step=8, group_size=8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def truncating(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("cli") / "trunc", "truncation", steps=30,
+                    prompts_per_step=8, tokens=False)
+
+
+def _fingerprint(root: Path) -> dict[str, tuple[int, str]]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_analyze_text_report(healthy: Path) -> None:
+    before = _fingerprint(healthy)
+    result = rlscope("analyze", str(healthy))
+    assert result.returncode == 0, result.stderr
+    for title in ("L1 Training stability", "L2 Policy behaviour", "L3 Learning signal", "Findings"):
+        assert title in result.stdout
+    assert "signal.pass_at_k" in result.stdout and "Traceback" not in result.stderr
+    assert _fingerprint(healthy) == before, "analyze must not touch the run directory"
+
+
+def test_analyze_json_is_strict_and_complete(healthy: Path) -> None:
+    result = rlscope("analyze", str(healthy), "--format", "json")
+    assert result.returncode == 0, result.stderr
+
+    def reject(constant: str) -> None:
+        raise AssertionError(f"non-strict JSON constant {constant}")
+
+    doc = json.loads(result.stdout, parse_constant=reject)
+    assert set(doc) >= {"rlscope_version", "schema_version", "run", "metrics", "findings",
+                        "skipped"}
+    assert set(ISSUE_METRICS) <= set(doc["metrics"])
+    for metric_id, metric in doc["metrics"].items():
+        series = metric["series"]
+        assert len(series["step"]) == len(series["value"]) > 0, metric_id
+        assert series["step"] == sorted(series["step"])
+    assert doc["run"]["rollouts"] == 30 * 8 * 8
+    assert doc["metrics"]["signal.pass_at_k"]["k"] == 8
+    assert set(doc["metrics"]["signal.pass_at_k"]["components"]) == {"pass@1", "pass@2", "pass@4", "pass@8"}
+
+
+def test_steps_range(healthy: Path) -> None:
+    result = rlscope("analyze", str(healthy), "--format", "json", "--steps", "5:9")
+    doc = json.loads(result.stdout)
+    assert doc["metrics"]["signal.reward"]["series"]["step"] == [5, 6, 7, 8, 9]
+    assert doc["run"]["rollouts"] == 5 * 8 * 8
+
+
+def test_fail_on_levels(truncating: Path) -> None:
+    default = rlscope("analyze", str(truncating), "--format", "json")
+    findings = {f["id"]: f["severity"] for f in json.loads(default.stdout)["findings"]}
+    assert "truncation" in findings
+    expected_default = 1 if "critical" in findings.values() else 0
+    assert default.returncode == expected_default
+    assert rlscope("analyze", str(truncating), "--fail-on", "warn").returncode == 1
+    assert rlscope("analyze", str(truncating), "--fail-on", "never").returncode == 0
+
+
+def test_healthy_passes_even_at_fail_on_warn(healthy: Path) -> None:
+    assert rlscope("analyze", str(healthy), "--fail-on", "warn").returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("analyze", "/nonexistent/run"), "no such run directory"),
+        (("analyze", "{run}", "--steps", "9:1"), "start is after the end"),
+        (("analyze", "{run}", "--steps", "abc"), "expected A:B"),
+        (("analyze", "{run}", "--format", "xml"), "choose text or json"),
+        (("analyze", "{run}", "--fail-on", "bad"), "--fail-on"),
+        (("analyze", "{run}", "--metrics", "nope.metric"), "unknown metric id"),
+        (("explain", "no-such-thing"), "unknown id"),
+        (("validate", "/nonexistent/run"), "no such run directory"),
+    ],
+)
+def test_bad_input_exits_2_without_traceback(healthy: Path, args: tuple[str, ...],
+                                             needle: str) -> None:
+    result = rlscope(*(a.format(run=healthy) for a in args))
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_bad_run_json_names_the_file(tmp_path: Path, healthy: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "run.json").write_text("{not json")
+    result = rlscope("analyze", str(broken))
+    assert result.returncode == 2 and "run.json" in result.stderr and "not valid JSON" in result.stderr
+
+
+def test_bad_config_is_an_error(tmp_path: Path, healthy: Path) -> None:
+    config = tmp_path / "rlscope.toml"
+    config.write_text("[findings.no-such-finding]\nwarn_at = 1\n")
+    result = rlscope("analyze", str(healthy), "--config", str(config))
+    assert result.returncode == 2 and "unknown finding id" in result.stderr
+    config.write_text("[findings.truncation]\nwarn_at = 'high'\n")
+    result = rlscope("analyze", str(healthy), "--config", str(config))
+    assert result.returncode == 2 and "must be a number" in result.stderr
+
+
+def test_validate_lists_tables(healthy: Path) -> None:
+    result = rlscope("validate", str(healthy))
+    assert result.returncode == 0
+    assert "rollouts:" in result.stdout and "tokens:" in result.stdout
+
+
+def test_metrics_and_explain() -> None:
+    listing = rlscope("metrics")
+    assert listing.returncode == 0
+    assert all(m in listing.stdout for m in ISSUE_METRICS)
+    explained = rlscope("explain", "signal.pass_at_k")
+    assert explained.returncode == 0 and "Healthy:" in explained.stdout
+    finding = rlscope("explain", "entropy-collapse")
+    assert finding.returncode == 0 and "What to try:" in finding.stdout
+    assert "early_share" in finding.stdout
+
+
+def test_no_color_is_respected(healthy: Path) -> None:
+    colored = rlscope("analyze", str(healthy), env={"FORCE_COLOR": "1", "TERM": "xterm"})
+    plain = rlscope("analyze", str(healthy), env={"FORCE_COLOR": "1", "NO_COLOR": "1"})
+    assert "\x1b[3" in colored.stdout, "sanity: forced colour emits colour codes"
+    assert "\x1b[3" not in plain.stdout
+
+
+def test_help_has_examples() -> None:
+    for command in ("analyze", "validate", "metrics", "explain", "synth"):
+        result = rlscope(command, "--help")
+        assert result.returncode == 0 and "Examples" in result.stdout, command
+
+
+def test_synth_refuses_non_empty_dir(tmp_path: Path) -> None:
+    (tmp_path / "keep.txt").write_text("mine")
+    result = rlscope("synth", str(tmp_path), "--steps", "10")
+    assert result.returncode == 2 and "not empty" in result.stderr
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+    result = rlscope("synth", str(tmp_path / "new"), "--scenario", "nope")
+    assert result.returncode == 2 and "unknown scenario" in result.stderr
+
+
+def test_synth_then_analyze(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    made = rlscope("synth", str(out), "--scenario", "dead-prompts", "--steps", "20", "--prompts",
+                   "8", "--no-tokens")
+    assert made.returncode == 0, made.stderr
+    result = rlscope("analyze", str(out), "--format", "json", "--fail-on", "never")
+    assert "dead-prompts" in {f["id"] for f in json.loads(result.stdout)["findings"]}

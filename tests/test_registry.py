@@ -1,0 +1,46 @@
+"""The registry is complete: every metric and finding is documented, explained and in the README."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from rlscope.registry import METRICS, RULES, load_all
+from rlscope.report import LAYERS, SEVERITIES
+
+load_all()
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ID_PATTERN = re.compile(r"^[a-z]+\.[a-z0-9_]+$")
+
+
+@pytest.mark.parametrize("metric_id", sorted(METRICS))
+def test_metric_is_documented(metric_id: str) -> None:
+    metric = METRICS[metric_id]
+    assert ID_PATTERN.match(metric.id)
+    assert metric.layer in LAYERS
+    assert metric.id.split(".")[0] in {"stability", "behavior", "signal"}
+    assert len(metric.doc) >= 80, "the doc says what it measures and why"
+    assert metric.healthy, "the doc gives a healthy range"
+    assert metric.title and metric.variants
+    for variant in metric.variants:
+        assert variant.table in ("steps", "rollouts", "tokens") and variant.requires
+    text = metric.explain()
+    assert metric.id in text and "Healthy:" in text
+    assert f"`{metric.id}`" in README, "README's metric table lists every id"
+
+
+@pytest.mark.parametrize("rule_id", sorted(RULES))
+def test_finding_is_documented(rule_id: str) -> None:
+    rule = RULES[rule_id]
+    assert re.match(r"^[a-z]+(-[a-z]+)*$", rule.id)
+    assert rule.layer in LAYERS and rule.severity in SEVERITIES
+    assert len(rule.doc) >= 80 and rule.remedy and rule.title
+    assert all(m in METRICS for m in rule.metrics), "a rule reads registered metrics"
+    for name, param in rule.params.items():
+        assert param.doc, f"threshold {name} is documented"
+        assert f"`{name}`" in rule.doc or name == "min_steps", f"the doc explains {name}"
+    text = rule.explain()
+    assert "What to try:" in text and rule.id in text
+    assert f"`{rule.id}`" in README, "README's findings table lists every id"
