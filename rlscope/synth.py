@@ -4,13 +4,16 @@ Latent model. Time is training progress u = t / (steps - 1) in [0, 1], so each s
 pathology at any run length. Healthy values are given; `Scenario` names every knob.
 
 * Prompts: a pool of max(4 * prompts_per_step, 64) prompts `p{j:05d}` with difficulty
-  d_j ~ Normal(0, 1.2) (stratified: the pool holds that law's quantiles, shuffled), base length
-  L_j ~ LogNormal(log 42, 0.5) tokens (short enough that the default run is ~3M token rows) and
-  reward scale c_j = 1. Each step draws prompts_per_step distinct prompts, group_size rollouts of
-  each; rollout_id counts up from 0 over the run.
+  d_j ~ Normal(0, 1.2) (stratified: the pool holds that law's quantiles, shuffled; a scenario may
+  mix several normals), base length L_j ~ LogNormal(log 42, 0.5) tokens (short enough that the
+  default run is ~3M token rows) and reward scale c_j = 1 (a LogNormal scale is stratified the
+  same way). Each step takes one prompt uniformly from each of prompts_per_step equal difficulty
+  strata of the pool (every prompt equally likely, and even a small batch has a representative
+  mix), then group_size rollouts of each; rollout_id counts up from 0.
 * Correctness: each rollout has a standardised length noise z ~ Normal(0, 1);
-  P(correct) = sigmoid(k h(u) (s(u) - d_j) - lambda z) with k = 2, sharpness h = 1, lambda = 0
-  and skill s(u) = -0.3 + 1.6 u: hard prompts improve too, so pass@N rises with pass@1.
+  P(correct) = sigmoid(k h(u) (s(u) - d_j) - lambda z) with k = 1.5, sharpness h = 1, lambda = 0
+  and skill s(u) = -1 + 1.8 u: pass@1 rises ~0.27 → ~0.69 and, as hard prompts improve too,
+  pass@8 ~0.68 → ~0.96, while the share of zero-σ groups stays near a third.
 * Length: response_len = round(L_j g(u) exp(0.25 z) b^correct) in [1, max_response_len], with
   g(u) = 1 + 0.3 u and b = 1.08 (within a prompt correct responses are a little longer, a
   correlation of about +0.1). truncated = response_len >= max_response_len (1024: ~never);
@@ -78,14 +81,14 @@ class Scenario:
 
     name: str
     doc: str
-    skill: TimeFn = lambda u: -0.3 + 1.6 * u
+    skill: TimeFn = lambda u: -1.0 + 1.8 * u
     entropy: TimeFn = lambda u: 1.2 * math.exp(-0.9 * u) + 0.15
     kl: TimeFn = lambda u: 0.002 + 0.02 * u
     growth: TimeFn = lambda u: 1.0 + 0.3 * u
     ratio_sd: TimeFn = lambda u: 0.05
     tools: ToolFn = _healthy_tools
-    difficulty: tuple[float, float] = (0.0, 1.2)
-    logit_slope: float = 2.0
+    difficulty: tuple[tuple[float, float, float], ...] = ((1.0, 0.0, 1.2),)  # (weight, mean, sd)
+    logit_slope: float = 1.5
     sharpness: TimeFn = lambda u: 1.0
     overthink: float = 0.0
     length_sd: float = 0.25
@@ -98,7 +101,8 @@ class Scenario:
 
 HEALTHY = Scenario(
     "healthy",
-    "Skill rises linearly, entropy declines smoothly (1.35 → 0.64), KL grows linearly "
+    "Skill rises linearly (pass@1 ~0.27 → ~0.69, pass@8 ~0.68 → ~0.96, about a third of the "
+    "groups zero-σ), entropy declines smoothly (1.35 → 0.64), KL grows linearly "
     "(0.002 → 0.022), lengths grow 30% with correct responses slightly longer within a prompt, "
     "~1.3 tool calls, no truncation, no spikes. Should trigger no diagnosis.",
 )
@@ -115,9 +119,9 @@ SCENARIOS: dict[str, Scenario] = {
         _variant(
             "entropy-collapse",
             "H(u) = 1.2 exp(-u / 0.02) + 0.05: entropy falls from 1.25 to 0.05 within the first "
-            "~5% of training and stays flat; skill rises only a little (s = -0.3 + 0.5 u).",
+            "~5% of training and stays flat; skill rises only a little (s = -1 + 0.6 u).",
             entropy=lambda u: 1.2 * math.exp(-u / 0.02) + 0.05,
-            skill=lambda u: -0.3 + 0.5 * u,
+            skill=lambda u: -1.0 + 0.6 * u,
         ),
         _variant(
             "entropy-clip-conflict",
@@ -174,13 +178,13 @@ SCENARIOS: dict[str, Scenario] = {
             "dead-prompts",
             "The pool is too easy (d_j ~ Normal(-3.5, 0.5)): nearly every group is all-correct, "
             "zero σ, no learning signal.",
-            difficulty=(-3.5, 0.5),
+            difficulty=((1.0, -3.5, 0.5),),
         ),
         _variant(
             "dead-prompts-hard",
             "The pool is too hard (d_j ~ Normal(4, 0.5)): nearly every group is all-wrong, "
             "zero σ, no learning signal.",
-            difficulty=(4.0, 0.5),
+            difficulty=((1.0, 4.0, 0.5),),
         ),
         _variant(
             "reward-concentration",
@@ -192,13 +196,16 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         _variant(
             "mode-collapse",
-            "Probability sharpens on already-solvable prompts: "
-            "logit = 0.25 (1 + 20 u²) (0.9 - d_j), so the ~77% of prompts starting above p = 0.5 "
-            "go to 1 and the rest to 0: pass@1 rises (~0.56 → ~0.77) while pass@N falls "
-            "(~1.0 → ~0.88).",
-            skill=lambda u: 0.9,
-            logit_slope=0.25,
-            sharpness=lambda u: 1.0 + 20.0 * u**2,
+            "Probability concentrates on prompts the policy can already solve. 75% of the pool "
+            "is moderate (d ~ Normal(0, 0.3)), 25% out of reach (d ~ Normal(1.3, 0.1), p ≈ 0.1 "
+            "at the start); skill s = 0.2 + 0.6 u and sharpness h = 1 + 4 u push the moderate "
+            "prompts to p → 1 and the rare successes on hard ones to 0: pass@1 rises "
+            "(~0.5 → ~0.76 between the first and last fifths) while pass@8 falls (~0.85 → ~0.79; "
+            "pass@16 ~0.9 → ~0.78). Groups end up deterministic, so zero-σ groups pile up too.",
+            difficulty=((0.75, 0.0, 0.3), (0.25, 1.3, 0.1)),
+            skill=lambda u: 0.2 + 0.6 * u,
+            logit_slope=2.0,
+            sharpness=lambda u: 1.0 + 4.0 * u,
         ),
         _variant(
             "tool-cap-saturation",
@@ -224,17 +231,37 @@ class _Pool:
     reward_scale: np.ndarray
 
 
+def _stratified(
+    rng: np.random.Generator, mixture: tuple[tuple[float, float, float], ...], size: int
+) -> np.ndarray:
+    """Quantiles of each (weight, mean, sd) normal in random order: draws would leave a 64-prompt
+    pool with a spread (and a share of easy or hard prompts) that varies with the seed."""
+    total = sum(w for w, _, _ in mixture)
+    edges = np.rint(np.cumsum([0.0] + [w / total for w, _, _ in mixture]) * size).astype(int)
+    values = []
+    for (_, mean, sd), n in zip(mixture, np.diff(edges), strict=True):
+        dist = NormalDist(mean, sd)
+        values += [dist.inv_cdf((q + 0.5) / n) for q in range(n)]
+    return rng.permutation(values)
+
+
 def _pool(sc: Scenario, rng: np.random.Generator, size: int) -> _Pool:
     ids = np.array([f"p{j:05d}" for j in range(size)])
-    # Quantiles rather than draws: even a 64-prompt pool has the intended spread.
-    mean, sd = sc.difficulty
-    quantiles = np.array([NormalDist(mean, sd).inv_cdf((q + 0.5) / size) for q in range(size)])
-    difficulty = rng.permutation(quantiles)
+    difficulty = _stratified(rng, sc.difficulty, size)
     base_len = BASE_LEN * np.exp(rng.normal(0.0, 0.5, size))
     scale = (
-        np.exp(rng.normal(0.0, sc.reward_scale_sd, size)) if sc.reward_scale_sd else np.ones(size)
+        np.exp(_stratified(rng, ((1.0, 0.0, sc.reward_scale_sd),), size))
+        if sc.reward_scale_sd
+        else np.ones(size)
     )
     return _Pool(ids, difficulty, base_len, scale)
+
+
+def _sample_prompts(rng: np.random.Generator, pool: _Pool, prompts: int) -> np.ndarray:
+    """One prompt from each of `prompts` equal difficulty strata, in random order."""
+    edges = np.arange(prompts + 1) * pool.ids.size // prompts
+    picks = edges[:-1] + (rng.random(prompts) * np.diff(edges)).astype(np.int64)
+    return rng.permutation(np.argsort(pool.difficulty, kind="stable")[picks])
 
 
 def _advantage(reward: np.ndarray, kind: str) -> np.ndarray:
@@ -272,7 +299,7 @@ def _rollouts(
     spike: bool,
 ) -> pl.DataFrame:
     n = prompts * group
-    j = np.repeat(rng.choice(pool.ids.size, prompts, replace=False), group)
+    j = np.repeat(_sample_prompts(rng, pool, prompts), group)
     z = rng.standard_normal(n)
     logit = sc.logit_slope * sc.sharpness(u) * (sc.skill(u) - pool.difficulty[j])
     correct = rng.random(n) < 1 / (1 + np.exp(-(logit - sc.overthink * z)))
