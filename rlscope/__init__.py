@@ -1,4 +1,4 @@
-"""rlscope: is this RL post-training run actually healthy? Metrics and diagnoses from Parquet logs."""
+"""rlscope: is this RL post-training run healthy? Metrics and diagnoses from Parquet logs."""
 
 from __future__ import annotations
 

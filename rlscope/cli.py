@@ -13,7 +13,8 @@ from rlscope.errors import RlscopeError
 
 app = typer.Typer(
     name="rlscope",
-    help="Is this RL post-training run healthy? Layered metrics and diagnoses from Parquet logs.\n\n"
+    help="Is this RL post-training run healthy? Layered metrics and diagnoses from Parquet "
+    "logs.\n\n"
     "Examples:\n\n"
     "  rlscope analyze runs/grpo-7b\n\n"
     "  rlscope analyze runs/grpo-7b --format json --fail-on warn\n\n"
@@ -71,7 +72,8 @@ def analyze(
         str | None, typer.Option(help="Comma-separated metric ids to compute (default: all).")
     ] = None,
     config: Annotated[
-        Path | None, typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml).")
+        Path | None,
+        typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
     ] = None,
 ) -> None:
     """Compute every metric layer by layer, diagnose, and print the report.
@@ -178,7 +180,9 @@ def list_metrics() -> None:
 
 @app.command()
 def explain(
-    id: Annotated[str, typer.Argument(help="A metric id (stability.kl) or finding id (kl-runaway).")],
+    id: Annotated[
+        str, typer.Argument(help="A metric id (stability.kl) or finding id (kl-runaway).")
+    ],
 ) -> None:
     """Print what a metric or finding measures, why it matters, its healthy range, what to try.
 
@@ -229,8 +233,15 @@ def synth(
             raise RlscopeError(f"{out}: exists and is not empty", hint="pick a new directory")
         err = _stderr()
         with err.status(f"writing {scenario} run to {out} …"):
-            path = generate(out, scenario, steps=steps, prompts_per_step=prompts,
-                            group_size=group_size, seed=seed, tokens=tokens)
+            path = generate(
+                out,
+                scenario,
+                steps=steps,
+                prompts_per_step=prompts,
+                group_size=group_size,
+                seed=seed,
+                tokens=tokens,
+            )
     except RlscopeError as exc:
         _fail(exc)
     _stdout().print(f"wrote {path}", markup=False)

@@ -149,8 +149,10 @@ def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
         metric, variant = METRICS[metric_id], chosen[metric_id]
         frame = frames[metric_id].sort("step")
         frames[metric_id] = frame
-        values = [None if v is None or not math.isfinite(v) else float(v)
-                  for v in frame["value"].cast(pl.Float64).to_list()]
+        values = [
+            None if v is None or not math.isfinite(v) else float(v)
+            for v in frame["value"].cast(pl.Float64).to_list()
+        ]
         steps = [int(s) for s in frame["step"].to_list()]
         if not any(v is not None for v in values):
             skipped.append(Skipped(metric_id, _empty_reason(frame, variant)))
@@ -198,8 +200,10 @@ def _extra(metric_id: str, frame: pl.DataFrame, context: Context) -> dict[str, A
     if components:
         extra["components"] = {
             name: final_window_mean(
-                [None if v is None or not math.isfinite(v) else float(v)
-                 for v in frame[col].cast(pl.Float64).to_list()]
+                [
+                    None if v is None or not math.isfinite(v) else float(v)
+                    for v in frame[col].cast(pl.Float64).to_list()
+                ]
             )
             for col, name in components.items()
         }

@@ -310,7 +310,8 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
         except Exception as exc:  # an Arrow type Polars cannot hold
             raise RlscopeError(f"{path}: unsupported column type ({exc})") from None
         hive = {
-            k: v for k, v in _hive_values(folder, path).items()
+            k: v
+            for k, v in _hive_values(folder, path).items()
             if k not in schema and spec.column(k) is not None
         }
         missing = [c for c in spec.required_columns if c not in schema and c not in hive]
@@ -360,9 +361,7 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
                 f"{name}: extra column `{col_name}` has incompatible types "
                 f"{', '.join(map(str, distinct))} in different files; not read"
             )
-    return TableFiles(
-        name, tuple(files), tuple(file_schemas), unified, n_rows, tuple(file_hive)
-    )
+    return TableFiles(name, tuple(files), tuple(file_schemas), unified, n_rows, tuple(file_hive))
 
 
 def _check_hive_value(path: Path, column: Column, value: str) -> None:

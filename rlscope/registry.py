@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,8 +34,8 @@ class Variant:
     table: str
     requires: tuple[str, ...]
     series: SeriesFn
-    partials: Mapping[str, pl.Expr] | Callable[[Mapping[str, Any]], Mapping[str, pl.Expr]] = (
-        field(default_factory=dict)
+    partials: Mapping[str, pl.Expr] | Callable[[Mapping[str, Any]], Mapping[str, pl.Expr]] = field(
+        default_factory=dict
     )
     source: str = ""
     needs_meta: tuple[str, ...] = ()
@@ -104,7 +105,7 @@ class Rule:
         lines += [self.title, "", self.doc, "", f"What to try: {self.remedy}", ""]
         lines.append(f"Reads: {', '.join(self.metrics)}")
         if self.params:
-            lines.append("Thresholds (override under [findings.%s] in rlscope.toml):" % self.id)
+            lines.append(f"Thresholds (override under [findings.{self.id}] in rlscope.toml):")
             for name, param in self.params.items():
                 lines.append(f"  {name} = {param.default:g}  — {param.doc}")
         return "\n".join(lines)
@@ -143,14 +144,16 @@ def rule(
     return wrap
 
 
+LAYER_MODULES = ("stability", "behavior", "signal")
+
+
 def load_all() -> None:
-    """Import every metric and rule module so the registry is complete."""
-    import rlscope.metrics.stability
-    import rlscope.metrics.behavior
-    import rlscope.metrics.signal
-    import rlscope.rules.stability
-    import rlscope.rules.behavior
-    import rlscope.rules.signal  # noqa: F401
+    """Import every metric and rule module so the registry is complete (registry order = layer
+    order: L1 first)."""
+    for name in LAYER_MODULES:
+        importlib.import_module(f"rlscope.metrics.{name}")
+    for name in LAYER_MODULES:
+        importlib.import_module(f"rlscope.rules.{name}")
 
 
 def lookup(id: str) -> Metric | Rule | None:

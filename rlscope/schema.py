@@ -179,7 +179,11 @@ def to_json_schema() -> dict[str, Any]:
                 "description": t.doc,
                 "layout": [f"{t.name}.parquet", f"{t.name}/**/*.parquet"],
                 "columns": {
-                    c.name: {"type": type_name(c.dtype), "required": c.required, "description": c.doc}
+                    c.name: {
+                        "type": type_name(c.dtype),
+                        "required": c.required,
+                        "description": c.doc,
+                    }
                     for c in t.columns
                 },
                 "extra_columns": "carried through",

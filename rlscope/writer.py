@@ -44,8 +44,10 @@ def _to_polars(data: TableLike) -> pl.DataFrame:
         return pl.from_dicts(list(data)) if data else pl.DataFrame()
     if hasattr(data, "to_dict") and hasattr(data, "columns"):  # pandas
         return pl.from_pandas(data)
-    raise TypeError(f"cannot log {type(data).__name__}: pass a dict of columns, a list of row "
-                    "dicts, a pyarrow Table or a polars DataFrame")
+    raise TypeError(
+        f"cannot log {type(data).__name__}: pass a dict of columns, a list of row "
+        "dicts, a pyarrow Table or a polars DataFrame"
+    )
 
 
 def _conform(table: str, frame: pl.DataFrame) -> pl.DataFrame:
@@ -124,7 +126,7 @@ class RunWriter:
         for table in TABLES:
             for path in (self.run_dir / table).glob(f"{prefix}*.parquet"):
                 try:
-                    self._seq = max(self._seq, int(path.stem[len(prefix):]))
+                    self._seq = max(self._seq, int(path.stem[len(prefix) :]))
                 except ValueError:
                     continue
 
@@ -181,9 +183,7 @@ class RunWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            pq.write_table(
-                frame.to_arrow(), tmp, compression="zstd", row_group_size=frame.height
-            )
+            pq.write_table(frame.to_arrow(), tmp, compression="zstd", row_group_size=frame.height)
             with open(tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
             os.replace(tmp, path)

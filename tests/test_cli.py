@@ -13,15 +13,33 @@ import pytest
 
 from rlscope.synth import generate
 
-ISSUE_METRICS = """
-stability.loss stability.grad_norm stability.clip_frac stability.kl stability.ppo_kl
-behavior.entropy behavior.entropy_p80 behavior.entropy_adv_cov behavior.response_len
-behavior.response_len_correct behavior.response_len_incorrect behavior.truncation_rate
-behavior.len_correct_corr behavior.tool_calls behavior.tool_cap_frac signal.reward
-signal.group_std signal.zero_std_frac signal.all_correct_frac signal.all_wrong_frac
-signal.pass_at_1 signal.pass_at_k signal.pass_gap signal.effective_prompt_frac
-signal.medium_adv_share
-""".split()
+ISSUE_METRICS = [
+    "stability.loss",
+    "stability.grad_norm",
+    "stability.clip_frac",
+    "stability.kl",
+    "stability.ppo_kl",
+    "behavior.entropy",
+    "behavior.entropy_p80",
+    "behavior.entropy_adv_cov",
+    "behavior.response_len",
+    "behavior.response_len_correct",
+    "behavior.response_len_incorrect",
+    "behavior.truncation_rate",
+    "behavior.len_correct_corr",
+    "behavior.tool_calls",
+    "behavior.tool_cap_frac",
+    "signal.reward",
+    "signal.group_std",
+    "signal.zero_std_frac",
+    "signal.all_correct_frac",
+    "signal.all_wrong_frac",
+    "signal.pass_at_1",
+    "signal.pass_at_k",
+    "signal.pass_gap",
+    "signal.effective_prompt_frac",
+    "signal.medium_adv_share",
+]
 
 
 def rlscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -36,14 +54,25 @@ def rlscope(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate(tmp_path_factory.mktemp("cli") / "healthy", "healthy", steps=30,
-                    prompts_per_step=8, group_size=8, seed=0)
+    return generate(
+        tmp_path_factory.mktemp("cli") / "healthy",
+        "healthy",
+        steps=30,
+        prompts_per_step=8,
+        group_size=8,
+        seed=0,
+    )
 
 
 @pytest.fixture(scope="module")
 def truncating(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate(tmp_path_factory.mktemp("cli") / "trunc", "truncation", steps=30,
-                    prompts_per_step=8, tokens=False)
+    return generate(
+        tmp_path_factory.mktemp("cli") / "trunc",
+        "truncation",
+        steps=30,
+        prompts_per_step=8,
+        tokens=False,
+    )
 
 
 def _fingerprint(root: Path) -> dict[str, tuple[int, str]]:
@@ -72,8 +101,14 @@ def test_analyze_json_is_strict_and_complete(healthy: Path) -> None:
         raise AssertionError(f"non-strict JSON constant {constant}")
 
     doc = json.loads(result.stdout, parse_constant=reject)
-    assert set(doc) >= {"rlscope_version", "schema_version", "run", "metrics", "findings",
-                        "skipped"}
+    assert set(doc) >= {
+        "rlscope_version",
+        "schema_version",
+        "run",
+        "metrics",
+        "findings",
+        "skipped",
+    }
     assert set(ISSUE_METRICS) <= set(doc["metrics"])
     for metric_id, metric in doc["metrics"].items():
         series = metric["series"]
@@ -81,7 +116,12 @@ def test_analyze_json_is_strict_and_complete(healthy: Path) -> None:
         assert series["step"] == sorted(series["step"])
     assert doc["run"]["rollouts"] == 30 * 8 * 8
     assert doc["metrics"]["signal.pass_at_k"]["k"] == 8
-    assert set(doc["metrics"]["signal.pass_at_k"]["components"]) == {"pass@1", "pass@2", "pass@4", "pass@8"}
+    assert set(doc["metrics"]["signal.pass_at_k"]["components"]) == {
+        "pass@1",
+        "pass@2",
+        "pass@4",
+        "pass@8",
+    }
 
 
 def test_steps_range(healthy: Path) -> None:
@@ -118,8 +158,9 @@ def test_healthy_passes_even_at_fail_on_warn(healthy: Path) -> None:
         (("validate", "/nonexistent/run"), "no such run directory"),
     ],
 )
-def test_bad_input_exits_2_without_traceback(healthy: Path, args: tuple[str, ...],
-                                             needle: str) -> None:
+def test_bad_input_exits_2_without_traceback(
+    healthy: Path, args: tuple[str, ...], needle: str
+) -> None:
     result = rlscope(*(a.format(run=healthy) for a in args))
     assert result.returncode == 2
     assert needle in result.stderr
@@ -131,7 +172,9 @@ def test_bad_run_json_names_the_file(tmp_path: Path, healthy: Path) -> None:
     broken.mkdir()
     (broken / "run.json").write_text("{not json")
     result = rlscope("analyze", str(broken))
-    assert result.returncode == 2 and "run.json" in result.stderr and "not valid JSON" in result.stderr
+    assert (
+        result.returncode == 2 and "run.json" in result.stderr and "not valid JSON" in result.stderr
+    )
 
 
 def test_bad_config_is_an_error(tmp_path: Path, healthy: Path) -> None:
@@ -185,8 +228,17 @@ def test_synth_refuses_non_empty_dir(tmp_path: Path) -> None:
 
 def test_synth_then_analyze(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    made = rlscope("synth", str(out), "--scenario", "dead-prompts", "--steps", "20", "--prompts",
-                   "8", "--no-tokens")
+    made = rlscope(
+        "synth",
+        str(out),
+        "--scenario",
+        "dead-prompts",
+        "--steps",
+        "20",
+        "--prompts",
+        "8",
+        "--no-tokens",
+    )
     assert made.returncode == 0, made.stderr
     result = rlscope("analyze", str(out), "--format", "json", "--fail-on", "never")
     assert "dead-prompts" in {f["id"] for f in json.loads(result.stdout)["findings"]}

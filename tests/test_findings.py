@@ -26,8 +26,9 @@ TOKEN_FINDINGS = {"entropy-collapse", "entropy-clip-conflict", "kl-stalled", "kl
 
 
 def _run(tmp: Path, scenario: str, size: str, seed: int, tokens: bool) -> Report:
-    path = generate(tmp / f"{scenario}-{size}-{seed}", scenario, seed=seed, tokens=tokens,
-                    **SIZES[size])
+    path = generate(
+        tmp / f"{scenario}-{size}-{seed}", scenario, seed=seed, tokens=tokens, **SIZES[size]
+    )
     return analyze(path, config=Config())
 
 

@@ -262,7 +262,7 @@ def test_schema_drift_fills_nulls(tmp_path: Path) -> None:
     assert frame["advantage"].to_list() == [None] * 4 + [0.5, -0.5, 1.0, -1.0]
     # `correct` is derived (reward > 0) in the file that lacks it, and the report says so.
     derived = [r > 0 for r in frame["reward"].to_list()[:4]]
-    assert frame["correct"].to_list() == derived + [True, False, True, False]
+    assert frame["correct"].to_list() == [*derived, True, False, True, False]
     assert "file(s) without `correct`" in open_run(run).derived_columns("rollouts")["correct"]
     assert open_run(run).tables["rollouts"].n_rows == 8
 

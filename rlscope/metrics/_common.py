@@ -48,8 +48,9 @@ def ratio_variant(
         sums = step_sums(frame, [num_name, den_name], groups=groups)
         return sums.select("step", safe_div(pl.col(num_name), pl.col(den_name)).alias("value"))
 
-    return Variant(table, requires, series, {num_name: num_expr, den_name: den_expr}, source,
-                   needs_meta)
+    return Variant(
+        table, requires, series, {num_name: num_expr, den_name: den_expr}, source, needs_meta
+    )
 
 
 def step_column(column: str, *, source: str = "") -> Variant:

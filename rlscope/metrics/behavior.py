@@ -68,8 +68,10 @@ def _entropy_quantile(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     midpoint = (pl.col("entropy_bin").first().cast(pl.Float64) + 0.5) / ENTROPY_BINS_PER_NAT
 
     def value_at(rank: pl.Expr, name: str) -> pl.LazyFrame:
-        return ordered.filter(pl.col("cum") > rank).group_by("step").agg(
-            midpoint.alias(name), pl.col("rank").first()
+        return (
+            ordered.filter(pl.col("cum") > rank)
+            .group_by("step")
+            .agg(midpoint.alias(name), pl.col("rank").first())
         )
 
     low = value_at(pl.col("rank").floor(), "low")
@@ -173,8 +175,11 @@ register_metric(
 
 
 def _len_incorrect(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
-    sums = train(frame).group_by("step").agg(pl.col("len_sum", "len_correct_sum", "n",
-                                                     "n_correct").sum())
+    sums = (
+        train(frame)
+        .group_by("step")
+        .agg(pl.col("len_sum", "len_correct_sum", "n", "n_correct").sum())
+    )
     return sums.select(
         "step",
         safe_div(
@@ -216,7 +221,9 @@ register_metric(
         references="verl response_length/clip_ratio; TRL completions/clipped_ratio",
         variants=(
             ratio_variant(
-                "rollouts", ("truncated",), ("trunc_n", pl.col("truncated").cast(pl.Int64).sum()),
+                "rollouts",
+                ("truncated",),
+                ("trunc_n", pl.col("truncated").cast(pl.Int64).sum()),
                 N,
             ),
         ),
@@ -233,12 +240,16 @@ def within_group_sums(
     """
     n = pl.col("n").cast(pl.Float64)
     ysq = pl.col(y_sq) if y_sq else pl.col(y_sum)  # a 0/1 variable is its own square
-    centred = train(frame).filter(pl.col("n") >= 2).select(
-        "step",
-        (pl.col(x_sq) - pl.col(x_sum) ** 2 / n).alias("sxx"),
-        (ysq - pl.col(y_sum) ** 2 / n).alias("syy"),
-        (pl.col(xy_sum) - pl.col(x_sum) * pl.col(y_sum) / n).alias("sxy"),
-        (n - 1).alias("dof"),
+    centred = (
+        train(frame)
+        .filter(pl.col("n") >= 2)
+        .select(
+            "step",
+            (pl.col(x_sq) - pl.col(x_sum) ** 2 / n).alias("sxx"),
+            (ysq - pl.col(y_sum) ** 2 / n).alias("syy"),
+            (pl.col(xy_sum) - pl.col(x_sum) * pl.col(y_sum) / n).alias("sxy"),
+            (n - 1).alias("dof"),
+        )
     )
     return centred.group_by("step").agg(pl.col("sxx", "syy", "sxy", "dof").sum())
 
@@ -310,7 +321,10 @@ register_metric(
         better="down",
         variants=(
             custom(
-                "rollouts", ("n_tool_calls",), _cap_frac, _cap_partials,
+                "rollouts",
+                ("n_tool_calls",),
+                _cap_frac,
+                _cap_partials,
                 needs_meta=("max_tool_calls",),
             ),
         ),

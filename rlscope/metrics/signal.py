@@ -8,7 +8,7 @@ import polars as pl
 
 from rlscope.engine import Context
 from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, train
-from rlscope.metrics.behavior import N, N_CORRECT
+from rlscope.metrics.behavior import N_CORRECT, N
 from rlscope.registry import Metric, register_metric
 
 R_SUM = ("r_sum", f64("reward").sum())
@@ -232,11 +232,15 @@ register_metric(
 def _weights_series(weight: str):
     def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
         w = pl.col(weight)
-        per_step = train(frame).group_by("step").agg(
-            w.sum().alias("w_sum"),
-            (w**2).sum().alias("w_sq"),
-            pl.len().alias("prompts"),
-            (w > 0).sum().alias("live_prompts"),
+        per_step = (
+            train(frame)
+            .group_by("step")
+            .agg(
+                w.sum().alias("w_sum"),
+                (w**2).sum().alias("w_sq"),
+                pl.len().alias("prompts"),
+                (w > 0).sum().alias("live_prompts"),
+            )
         )
         return per_step.with_columns(
             safe_div(pl.col("w_sum") ** 2, pl.col("prompts") * pl.col("w_sq")).alias("value")
@@ -262,10 +266,20 @@ register_metric(
         better="up",
         references="Kish's effective sample size; seed §4",
         variants=(
-            custom("rollouts", ("advantage",), _weights_series("w_adv"), dict([W_ADV]),
-                   source="rollouts.advantage"),
-            custom("rollouts", ("reward",), _weights_series("w_grpo"), dict([W_GRPO]),
-                   source="GRPO-normalised reward (no advantage column)"),
+            custom(
+                "rollouts",
+                ("advantage",),
+                _weights_series("w_adv"),
+                dict([W_ADV]),
+                source="rollouts.advantage",
+            ),
+            custom(
+                "rollouts",
+                ("reward",),
+                _weights_series("w_grpo"),
+                dict([W_GRPO]),
+                source="GRPO-normalised reward (no advantage column)",
+            ),
         ),
     )
 )
@@ -276,11 +290,15 @@ def _tiers(weight: str):
         w = pl.col(weight)
         p = pl.col("n_correct").cast(pl.Float64) / pl.col("n")
         hard, easy = p < HARD_BELOW, p > EASY_ABOVE
-        per_step = train(frame).group_by("step").agg(
-            w.sum().alias("w_sum"),
-            w.filter(~hard & ~easy).sum().alias("w_medium"),
-            w.filter(easy).sum().alias("w_easy"),
-            w.filter(hard).sum().alias("w_hard"),
+        per_step = (
+            train(frame)
+            .group_by("step")
+            .agg(
+                w.sum().alias("w_sum"),
+                w.filter(~hard & ~easy).sum().alias("w_medium"),
+                w.filter(easy).sum().alias("w_easy"),
+                w.filter(hard).sum().alias("w_hard"),
+            )
         )
         total = pl.col("w_sum")
         return per_step.select(
@@ -312,11 +330,20 @@ register_metric(
         better="up",
         references="seed §4 (gradient flow by difficulty)",
         variants=(
-            custom("rollouts", ("advantage", "correct"), _tiers("w_adv"),
-                   dict([N, N_CORRECT, W_ADV]), source="rollouts.advantage"),
-            custom("rollouts", ("reward", "correct"), _tiers("w_grpo"),
-                   dict([N, N_CORRECT, W_GRPO]),
-                   source="GRPO-normalised reward (no advantage column)"),
+            custom(
+                "rollouts",
+                ("advantage", "correct"),
+                _tiers("w_adv"),
+                dict([N, N_CORRECT, W_ADV]),
+                source="rollouts.advantage",
+            ),
+            custom(
+                "rollouts",
+                ("reward", "correct"),
+                _tiers("w_grpo"),
+                dict([N, N_CORRECT, W_GRPO]),
+                source="GRPO-normalised reward (no advantage column)",
+            ),
         ),
     )
 )

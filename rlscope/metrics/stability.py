@@ -19,8 +19,8 @@ register_metric(
         id="stability.loss",
         layer="L1",
         title="Policy loss",
-        doc="The trainer's logged loss per optimizer step. In policy-gradient RL the loss is not an "
-        "objective that must fall: its level depends on the advantage normalisation, and it can "
+        doc="The trainer's logged loss per optimizer step. In policy-gradient RL the loss is not "
+        "an objective that must fall: its level depends on the advantage normalisation, and it can "
         "keep falling while the policy degenerates. Read it for spikes and NaNs, not for progress.",
         healthy="no spikes or NaNs; the level itself carries little meaning",
         variants=(step_column("loss"),),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -24,8 +25,7 @@ def sparkline(values: Sequence[float | None], width: int = 24) -> str:
         return ""
     if len(points) > width:
         edges = [round(i * len(points) / width) for i in range(width + 1)]
-        points = [sum(points[a:b]) / (b - a) for a, b in zip(edges, edges[1:], strict=False)
-                  if b > a]
+        points = [sum(points[a:b]) / (b - a) for a, b in itertools.pairwise(edges) if b > a]
     lo, hi = min(points), max(points)
     if hi - lo <= 1e-12 * max(1.0, abs(hi)):
         return BLOCKS[3] * len(points)
@@ -111,7 +111,9 @@ def _layer_of(metric_id: str) -> str | None:
 
 def _findings(report: Report) -> Panel:
     if not report.findings:
-        body: Text | Table | Group = Text("No findings: nothing at info level or above.", style="green")
+        body: Text | Table | Group = Text(
+            "No findings: nothing at info level or above.", style="green"
+        )
     else:
         body = Table(expand=True, box=None, pad_edge=False, show_header=False)
         body.add_column(no_wrap=True)

@@ -22,8 +22,9 @@ def evaluate(computed: Computed, run: Run, config: Config) -> tuple[list[Finding
         if not any(m in computed.results for m in rule.metrics):
             skipped.append(Skipped(rule.id, "needs " + " or ".join(rule.metrics)))
             continue
-        params = {name: float(override.get(name, param.default))
-                  for name, param in rule.params.items()}
+        params = {
+            name: float(override.get(name, param.default)) for name, param in rule.params.items()
+        }
         severity = override.get("severity")
         ctx = RuleContext(rule, params, severity, computed.results, computed.frames, run)
         findings.extend(rule.check(ctx))

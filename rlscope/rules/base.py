@@ -76,16 +76,14 @@ def _var(x: np.ndarray) -> float:
 
 
 def final_mean(series: Series, fraction: float = 0.1, minimum: int = 3) -> float:
-    return float(series.values[-window_size(len(series), fraction, minimum):].mean())
+    return float(series.values[-window_size(len(series), fraction, minimum) :].mean())
 
 
 def rolling_median(values: np.ndarray, window: int) -> np.ndarray:
     """Centred rolling median; the window shrinks at the edges."""
     half = window // 2
     n = len(values)
-    return np.array(
-        [np.median(values[max(0, i - half) : min(n, i + half + 1)]) for i in range(n)]
-    )
+    return np.array([np.median(values[max(0, i - half) : min(n, i + half + 1)]) for i in range(n)])
 
 
 class RuleContext:

@@ -74,7 +74,8 @@ def entropy_collapse(ctx: RuleContext) -> Iterator[Finding]:
     title="Responses grow longer without getting more correct",
     doc="Mean response length grew by at least `growth_min` (last vs first fifth of the run, "
     "significant at z > 2), while within prompts length and correctness are unrelated (pooled "
-    "within-group correlation |r| < `corr_max`) and pass@1 rose by less than `acc_rise_max`. "
+    "within-group correlation |r| < `corr_max`) and pass@1 rose by less than `acc_rise_max` "
+    "or not significantly (z < 2). "
     "The seed's 'spurious length growth': a length bias of the objective (Dr. GRPO: GRPO's 1/|o| "
     "normalisation favours long wrong answers) rather than longer reasoning that helps.",
     remedy="use token-level or constant length normalisation (Dr. GRPO, DAPO's token-level "
@@ -99,9 +100,8 @@ def spurious_length_growth(ctx: RuleContext) -> Iterator[Finding]:
         return
     r, _ = pooled
     growth = grow.last / grow.first - 1
-    if growth >= p["growth_min"] and grow.z > 2 and abs(r) < p["corr_max"] and (
-        acc_trend.delta < p["acc_rise_max"]
-    ):
+    accuracy_flat = acc_trend.delta < p["acc_rise_max"] or acc_trend.z < 2
+    if growth >= p["growth_min"] and grow.z > 2 and abs(r) < p["corr_max"] and accuracy_flat:
         yield ctx.finding(
             f"Mean length grew {pct(growth)} ({grow.first:.0f} → {grow.last:.0f} tokens) while "
             f"pass@1 moved {acc_trend.delta:+.3f} and length is unrelated to correctness within "

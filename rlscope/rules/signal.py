@@ -8,7 +8,14 @@ import polars as pl
 
 from rlscope.registry import Param, rule
 from rlscope.report import Finding
-from rlscope.rules.base import MIN_TREND_STEPS, RuleContext, compare_windows, final_mean, pct
+from rlscope.rules.base import (
+    MIN_TREND_STEPS,
+    RuleContext,
+    compare_windows,
+    final_mean,
+    pct,
+    window_size,
+)
 
 
 @rule(
@@ -62,7 +69,8 @@ def dead_prompts(ctx: RuleContext) -> Iterator[Finding]:
     layer="L3",
     title="A few prompts carry most of the gradient",
     doc="Among the prompt groups that do carry signal (Σ|advantage| > 0), the effective share "
-    "(Σw)²/(P_live·Σw²) over the final window is below `live_share_max`: the prompt-level "
+    "(Σw)²/(P_live·Σw²), pooled over the groups of the final fifth of the run, is below "
+    "`live_share_max`: the prompt-level "
     "reward distribution is long-tailed and the effective batch is far smaller than the nominal "
     "one. (Groups with no signal at all are dead-prompts' business.)",
     remedy="normalise rewards per prompt (GRPO's std normalisation) or clip reward scale; "
@@ -77,17 +85,19 @@ def reward_concentration(ctx: RuleContext) -> Iterator[Finding]:
     if frame is None or frame.height == 0:
         return
     steps = frame["step"].sort()
-    first = int(steps[min(len(steps) - 1, int(0.9 * len(steps)))])
-    live = frame.filter((pl.col("step") >= first) & (pl.col("w_sq") > 0)).select(
-        (pl.col("w_sum") ** 2 / (pl.col("live_prompts") * pl.col("w_sq"))).alias("share"),
-        "prompts",
-        "live_prompts",
+    first = int(steps[-window_size(len(steps), 0.2)])
+    # Pooled over the window's groups: one step of a small batch has too few live groups for
+    # the share to fall far (it cannot go below 1 / live groups).
+    sums = (
+        frame.filter(pl.col("step") >= first)
+        .select(pl.col("w_sum", "w_sq", "live_prompts", "prompts").sum(), pl.len().alias("steps"))
+        .row(0, named=True)
     )
-    if live.height == 0:
+    if not sums["w_sq"] or not sums["live_prompts"]:
         return
-    share = float(live["share"].mean())
-    nominal = float(live["prompts"].mean())
-    effective = share * float(live["live_prompts"].mean())
+    share = sums["w_sum"] ** 2 / (sums["live_prompts"] * sums["w_sq"])
+    nominal = sums["prompts"] / sums["steps"]
+    effective = share * sums["live_prompts"] / sums["steps"]
     if share < ctx.params["live_share_max"]:
         yield ctx.finding(
             f"The gradient comes from ≈{effective:.1f} of {nominal:.0f} prompts per step "

@@ -27,9 +27,10 @@ from rlscope.rules.base import (
     title="KL to the reference stays ~0 and the policy is not improving",
     doc="The policy has barely moved from the reference model (final-window token-mean KL "
     "below `kl_max`) and pass@1 (or mean reward) has not risen significantly between the first "
-    "and last fifth of the run. Small KL alone is fine when the policy improves; small KL with "
-    "no improvement means the updates do nothing: learning rate too low, advantages ~0 "
-    "(dead prompts), a KL penalty or clip that is too tight, or a frozen/detached policy.",
+    "and last fifth of the run (z-score below `z`). Small KL alone is fine when the policy "
+    "improves; small KL with no improvement means the updates do nothing: learning rate too "
+    "low, advantages ~0 (dead prompts), a KL penalty or clip that is too tight, or a "
+    "frozen/detached policy.",
     remedy="check the effective learning rate and that gradients reach the policy; check "
     "signal.zero_std_frac; lower the KL coefficient (β) or raise the clip range.",
     metrics=("stability.kl", "signal.pass_at_1"),
@@ -139,8 +140,11 @@ def grad_spike(ctx: RuleContext) -> Iterator[Finding]:
     yield ctx.finding(
         f"{len(spikes)} gradient-norm spike(s), the largest ×{ratio[worst]:.0f} the rolling "
         f"median at step {int(steps[worst])}"
-        + (f"; most extreme rollout there: {extreme[int(steps[worst])][0]['rollout_id']}"
-           if extreme.get(int(steps[worst])) else "")
+        + (
+            f"; most extreme rollout there: {extreme[int(steps[worst])][0]['rollout_id']}"
+            if extreme.get(int(steps[worst]))
+            else ""
+        )
         + ".",
         steps=spike_steps,
         ratios=[float(ratio[i]) for i in spikes],
@@ -167,8 +171,11 @@ def _extreme_rollouts(ctx: RuleContext, steps: list[int], top: int = 3) -> dict[
     out: dict[int, list] = {}
     for row in frame.iter_rows(named=True):
         out.setdefault(int(row["step"]), []).append(
-            {"rollout_id": row["rollout_id"], "prompt_id": row["prompt_id"],
-             "reward": row["reward"]}
+            {
+                "rollout_id": row["rollout_id"],
+                "prompt_id": row["prompt_id"],
+                "reward": row["reward"],
+            }
         )
     return out
 
