@@ -28,8 +28,9 @@ format: $(STAMP)
 # Regenerate the committed sample runs (deterministic).
 samples: $(STAMP)
 	rm -rf sample_logs/healthy sample_logs/entropy-collapse
-	$(BIN)/rlscope synth sample_logs/healthy --scenario healthy --steps 120 --prompts 16 --seed 1
-	$(BIN)/rlscope synth sample_logs/entropy-collapse --scenario entropy-collapse --steps 120 --prompts 16 --seed 2
+	$(BIN)/rlscope synth sample_logs/healthy --scenario healthy --steps 60 --prompts 8 --seed 1
+	$(BIN)/rlscope synth sample_logs/entropy-collapse --scenario entropy-collapse --steps 100 \
+		--prompts 16 --seed 2 --no-tokens
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_analyze.py

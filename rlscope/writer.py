@@ -183,7 +183,17 @@ class RunWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            pq.write_table(frame.to_arrow(), tmp, compression="zstd", row_group_size=frame.height)
+            table_data = frame.to_arrow()
+            # Float columns: byte-stream-split + zstd is ~1/3 smaller than dictionary + zstd.
+            floats = [f.name for f in table_data.schema if pa.types.is_floating(f.type)]
+            pq.write_table(
+                table_data,
+                tmp,
+                compression="zstd",
+                row_group_size=frame.height,
+                use_byte_stream_split=floats or False,
+                use_dictionary=[n for n in table_data.column_names if n not in floats],
+            )
             with open(tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
             os.replace(tmp, path)
