@@ -27,7 +27,7 @@ def analyze(
     computed = compute(run, metrics)
     findings, rule_skips = evaluate(computed, run, config)
 
-    groups = computed.aggregates.get("rollouts")
+    groups = computed.aggregates.get(("rollouts", ""))
     train_groups = groups.filter(pl.col("split") == "train") if groups is not None else None
     step_values: set[int] = set()
     for result in computed.results.values():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
@@ -14,22 +14,32 @@ from rlscope.reader import Run
 from rlscope.registry import METRICS, Metric, Variant, load_all
 from rlscope.report import MetricResult, Skipped
 
-#: Token entropy is binned at this many bins per nat for the per-step quantiles: exact to
-#: 1/ENTROPY_BINS_PER_NAT nats (bin width), with memory independent of the number of tokens.
-ENTROPY_BINS_PER_NAT = 200
-ENTROPY_MAX_NATS = 25.0
+#: Per-step entropy quantiles come from a histogram with log-spaced bins: bin b covers
+#: [E0·(e^(b/K) - 1), E0·(e^((b+1)/K) - 1)), i.e. a width of (H + E0)/K at entropy H — relative
+#: precision 1/K above E0, absolute E0/K below. ~600 bins span 0-25 nats, so the histogram's
+#: size depends on the number of steps, never on the number of tokens.
+ENTROPY_BINS_PER_EFOLD = 100
+ENTROPY_BIN_OFFSET = 0.05
+ENTROPY_MAX_BIN = 1000
 GROUP_KEYS = ("split", "step", "prompt_id")
 FINAL_WINDOW_FRACTION = 0.1
 
 
 def entropy_bin() -> pl.Expr:
+    scaled = (pl.col("entropy").cast(pl.Float64).clip(0.0) / ENTROPY_BIN_OFFSET).log1p()
     return (
-        (pl.col("entropy").cast(pl.Float64) * ENTROPY_BINS_PER_NAT)
+        (scaled * ENTROPY_BINS_PER_EFOLD)
         .floor()
-        .clip(0, ENTROPY_MAX_NATS * ENTROPY_BINS_PER_NAT)
+        .clip(0, ENTROPY_MAX_BIN)
         .cast(pl.Int32)
         .alias("entropy_bin")
     )
+
+
+def entropy_bin_midpoint(bin_index: pl.Expr) -> pl.Expr:
+    """The entropy at the middle of a bin (inverse of `entropy_bin`)."""
+    centre = (bin_index.cast(pl.Float64) + 0.5) / ENTROPY_BINS_PER_EFOLD
+    return ENTROPY_BIN_OFFSET * (centre.exp() - 1.0)
 
 
 @dataclass
@@ -37,9 +47,7 @@ class Context:
     """What a metric's series function may read besides its aggregated frame."""
 
     run: Run
-    meta: dict[str, Any]
     pass_k: int | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class Computed:
     results: dict[str, MetricResult]
     frames: dict[str, pl.DataFrame]
     skipped: tuple[Skipped, ...]
-    aggregates: dict[str, pl.DataFrame]
+    aggregates: dict[tuple[str, str], pl.DataFrame]  # (table, level) -> partial aggregates
     context: Context
 
 
@@ -92,15 +100,17 @@ def _merged_partials(variants: Iterable[Variant], meta: dict[str, Any]) -> dict[
     return merged
 
 
-def aggregate_query(run: Run, table: str, partials: dict[str, pl.Expr]) -> pl.LazyFrame:
-    """The one scan of `table`, aggregated to its level with every requested partial."""
+def aggregate_query(run: Run, table: str, level: str, partials: dict[str, pl.Expr]) -> pl.LazyFrame:
+    """One scan of `table`, aggregated to `level` with every requested partial."""
     lf = run.scan(table)
     exprs = [expr.alias(name) for name, expr in partials.items()]
     if table == "rollouts":
         keys: list[Any] = list(GROUP_KEYS)
         lf = lf.filter(pl.col("reward").is_not_null())  # counted in the reader's warnings
-    elif table == "tokens" and "entropy" in run.tables["tokens"].columns:
+    elif level == "entropy_bins":
+        # Kept apart from the per-step sums: few columns per (step, bin) group keeps it small.
         keys = ["step", entropy_bin()]
+        lf = lf.filter(pl.col("entropy").is_not_null())
     else:
         keys = ["step"]
     return lf.group_by(keys).agg(exprs)
@@ -132,16 +142,22 @@ def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
         metrics = [METRICS[m] for m in metric_ids]
     chosen, skipped = plan(metrics, run)
 
-    by_table: dict[str, list[Variant]] = {}
+    by_level: dict[tuple[str, str], list[Variant]] = {}
     for variant in chosen.values():
-        by_table.setdefault(variant.table, []).append(variant)
-    tables = sorted(by_table)
-    queries = [aggregate_query(run, t, _merged_partials(by_table[t], run.meta)) for t in tables]
-    aggregates = dict(zip(tables, _collect(queries, "reading " + ", ".join(tables)), strict=True))
+        by_level.setdefault((variant.table, variant.level), []).append(variant)
+    levels = sorted(by_level)
+    queries = [
+        aggregate_query(run, table, level, _merged_partials(by_level[table, level], run.meta))
+        for table, level in levels
+    ]
+    what = "reading " + ", ".join(dict.fromkeys(table for table, _ in levels))
+    aggregates = dict(zip(levels, _collect(queries, what), strict=True))
 
-    context = Context(run, run.meta, resolve_pass_k(run, aggregates.get("rollouts")))
+    context = Context(run, resolve_pass_k(run, aggregates.get(("rollouts", ""))))
     ids = list(chosen)
-    series_queries = [chosen[i].series(aggregates[chosen[i].table].lazy(), context) for i in ids]
+    series_queries = [
+        chosen[i].series(aggregates[chosen[i].table, chosen[i].level].lazy(), context) for i in ids
+    ]
     frames = dict(zip(ids, _collect(series_queries, "computing metrics"), strict=True))
 
     results: dict[str, MetricResult] = {}
@@ -216,7 +232,9 @@ def _collect(queries: list[pl.LazyFrame], what: str) -> list[pl.DataFrame]:
     if not queries:
         return []
     try:
-        return pl.collect_all(queries)
+        # No common-subplan elimination: for two queries over one table it caches the shared
+        # scan in memory, i.e. it would materialise the token table.
+        return pl.collect_all(queries, optimizations=pl.QueryOptFlags(comm_subplan_elim=False))
     except (pl.exceptions.ComputeError, pl.exceptions.SchemaError, OSError) as exc:
         raise RlscopeError(
             f"failed while {what}: {exc}",

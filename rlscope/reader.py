@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ class Run:
     tables: dict[str, TableFiles]
     warnings: tuple[str, ...] = ()
     step_range: tuple[int | None, int | None] = (None, None)
-    notes: list[str] = field(default_factory=list, compare=False)
 
     def has(self, table: str, *columns: str) -> bool:
         """Whether `table` exists and has every column (derived columns count)."""

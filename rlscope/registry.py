@@ -13,9 +13,9 @@ if TYPE_CHECKING:
     from rlscope.engine import Context
     from rlscope.rules.base import RuleContext
 
-#: The aggregation level each table's partials are computed at (one scan per table).
+#: The aggregation level each table's partials are computed at (one scan per table and level).
 #: steps: one row per step; rollouts: one row per (split, step, prompt_id) group;
-#: tokens: one row per (step, entropy bin) when token entropy exists, else per step.
+#: tokens: one row per step (and, for entropy quantiles, per step and entropy bin).
 TABLE_LEVELS = ("steps", "rollouts", "tokens")
 
 SeriesFn = Callable[[pl.LazyFrame, "Context"], pl.LazyFrame]
@@ -41,6 +41,9 @@ class Variant:
     needs_meta: tuple[str, ...] = ()
     # Why the series can be empty although the columns exist (shown in `skipped`).
     empty_reason: str = ""
+    # Aggregation level within the table: "" is the table's own (see TABLE_LEVELS);
+    # "entropy_bins" is tokens per (step, entropy bin).
+    level: str = ""
 
     def resolve_partials(self, meta: Mapping[str, Any]) -> Mapping[str, pl.Expr]:
         """The partials, given run.json (some depend on it, e.g. on the clip ratios)."""

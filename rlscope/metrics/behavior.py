@@ -7,9 +7,9 @@ from typing import Any
 
 import polars as pl
 
-from rlscope.engine import ENTROPY_BINS_PER_NAT, Context
+from rlscope.engine import ENTROPY_BIN_OFFSET, ENTROPY_BINS_PER_EFOLD, Context, entropy_bin_midpoint
 from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, train
-from rlscope.registry import Metric, register_metric
+from rlscope.registry import Metric, Variant, register_metric
 
 ENTROPY_QUANTILE = 0.8
 
@@ -65,7 +65,7 @@ def _entropy_quantile(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
         pl.col("ent_n").cum_sum().over("step").alias("cum"),
         (ENTROPY_QUANTILE * (pl.col("ent_n").sum().over("step") - 1)).alias("rank"),
     )
-    midpoint = (pl.col("entropy_bin").first().cast(pl.Float64) + 0.5) / ENTROPY_BINS_PER_NAT
+    midpoint = entropy_bin_midpoint(pl.col("entropy_bin").first())
 
     def value_at(rank: pl.Expr, name: str) -> pl.LazyFrame:
         return (
@@ -89,14 +89,16 @@ register_metric(
         title="80th percentile of token entropy",
         doc="Per-step 80th percentile of token entropy: the threshold above which the 'forking' "
         "minority of high-entropy tokens lies (these carry most of the useful gradient). Computed "
-        f"from a histogram with {ENTROPY_BINS_PER_NAT} bins per nat: within "
-        f"{0.5 / ENTROPY_BINS_PER_NAT:g} nats of numpy's linear quantile, with memory "
-        "independent of the number of tokens.",
+        "from a per-step histogram with log-spaced bins, so memory does not grow with the number "
+        "of tokens: within half a bin of numpy's linear quantile, i.e. within "
+        f"{50 / ENTROPY_BINS_PER_EFOLD:g}% of (value + {ENTROPY_BIN_OFFSET:g} nats).",
         healthy="stays clearly above 0 (0.672 nats on Qwen3-8B CoT); falling to ~0 means even "
         "forking tokens have become deterministic",
         better="up",
         references="Wang et al. 2025, 'Beyond the 80/20 rule' (arXiv 2506.01939)",
-        variants=(custom("tokens", ("entropy",), _entropy_quantile, dict([ENT_N])),),
+        variants=(
+            Variant("tokens", ("entropy",), _entropy_quantile, dict([ENT_N]), level="entropy_bins"),
+        ),
     )
 )
 

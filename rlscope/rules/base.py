@@ -132,5 +132,14 @@ def pooled_corr(frame: pl.DataFrame, first_step: int | None = None) -> tuple[flo
     return sxy / math.sqrt(sxx * syy), dof
 
 
+def level_severity(level: float, params: Mapping[str, float]) -> str | None:
+    """`critical` at or above params["critical_at"], `warn` at or above params["warn_at"]."""
+    if level >= params["critical_at"]:
+        return "critical"
+    if level >= params["warn_at"]:
+        return "warn"
+    return None
+
+
 def pct(x: float) -> str:
     return f"{100 * x:.0f}%"

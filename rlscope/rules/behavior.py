@@ -15,6 +15,7 @@ from rlscope.rules.base import (
     RuleContext,
     compare_windows,
     final_mean,
+    level_severity,
     pct,
     pooled_corr,
     rolling_median,
@@ -155,11 +156,8 @@ def _level_rule(ctx: RuleContext, metric_id: str, what: str) -> Iterator[Finding
     if series is None or len(series) == 0:
         return
     level = final_mean(series)
-    if level >= ctx.params["critical_at"]:
-        severity = "critical"
-    elif level >= ctx.params["warn_at"]:
-        severity = "warn"
-    else:
+    severity = level_severity(level, ctx.params)
+    if severity is None:
         return
     yield ctx.finding(
         f"{pct(level)} of rollouts {what} over the last steps.",

@@ -13,6 +13,7 @@ from rlscope.rules.base import (
     RuleContext,
     compare_windows,
     final_mean,
+    level_severity,
     pct,
     window_size,
 )
@@ -39,11 +40,8 @@ def dead_prompts(ctx: RuleContext) -> Iterator[Finding]:
     if zero is None or len(zero) == 0:
         return
     level = final_mean(zero)
-    if level >= ctx.params["critical_at"]:
-        severity = "critical"
-    elif level >= ctx.params["warn_at"]:
-        severity = "warn"
-    else:
+    severity = level_severity(level, ctx.params)
+    if severity is None:
         return
     easy, hard = ctx.series("signal.all_correct_frac"), ctx.series("signal.all_wrong_frac")
     easy_level = final_mean(easy) if easy is not None and len(easy) else None
