@@ -40,7 +40,7 @@ def _stderr() -> Console:
 
 
 def _fail(exc: RlscopeError) -> None:
-    _stderr().print(f"error: {exc}", markup=False)
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {exc}", markup=False)
     raise typer.Exit(2)
 
 

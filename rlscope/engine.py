@@ -235,7 +235,7 @@ def _collect(queries: list[pl.LazyFrame], what: str) -> list[pl.DataFrame]:
         # No common-subplan elimination: for two queries over one table it caches the shared
         # scan in memory, i.e. it would materialise the token table.
         return pl.collect_all(queries, optimizations=pl.QueryOptFlags(comm_subplan_elim=False))
-    except (pl.exceptions.ComputeError, pl.exceptions.SchemaError, OSError) as exc:
+    except (pl.exceptions.PolarsError, OSError) as exc:
         raise RlscopeError(
             f"failed while {what}: {exc}",
             hint="`rlscope validate RUN` checks every file's schema; a file may be corrupt",
