@@ -12,7 +12,7 @@ import polars as pl
 from rlscope.errors import RlscopeError
 from rlscope.reader import Run
 from rlscope.registry import METRICS, Metric, Variant, load_all
-from rlscope.report import MetricResult, Skipped
+from rlscope.report import Logged, MetricResult, Skipped
 
 #: Per-step entropy quantiles come from a histogram with log-spaced bins: bin b covers
 #: [E0·(e^(b/K) - 1), E0·(e^((b+1)/K) - 1)), i.e. a width of (H + E0)/K at entropy H — relative
@@ -141,10 +141,16 @@ def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
             )
         metrics = [METRICS[m] for m in metric_ids]
     chosen, skipped = plan(metrics, run)
+    logged = _logged_columns(chosen, run)
 
     by_level: dict[tuple[str, str], list[Variant]] = {}
     for variant in chosen.values():
         by_level.setdefault((variant.table, variant.level), []).append(variant)
+    if logged:
+        partials = {
+            f"logged:{c}": pl.col(c).cast(pl.Float64).mean() for c in dict.fromkeys(logged.values())
+        }
+        by_level.setdefault(("steps", ""), []).append(Variant("steps", (), _no_series, partials))
     levels = sorted(by_level)
     queries = [
         aggregate_query(run, table, level, _merged_partials(by_level[table, level], run.meta))
@@ -165,10 +171,7 @@ def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
         metric, variant = METRICS[metric_id], chosen[metric_id]
         frame = frames[metric_id].sort("step")
         frames[metric_id] = frame
-        values = [
-            None if v is None or not math.isfinite(v) else float(v)
-            for v in frame["value"].cast(pl.Float64).to_list()
-        ]
+        values = _floats(frame["value"])
         steps = [int(s) for s in frame["step"].to_list()]
         if not any(v is not None for v in values):
             skipped.append(Skipped(metric_id, _empty_reason(frame, variant)))
@@ -188,6 +191,7 @@ def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
             source=variant.source or ", ".join(f"{variant.table}.{c}" for c in variant.requires),
             notes=notes,
             extra=_extra(metric_id, frame, context),
+            logged=_logged_result(logged.get(metric_id), aggregates.get(("steps", ""))),
         )
     return Computed(results, frames, tuple(skipped), aggregates, context)
 
@@ -209,19 +213,54 @@ def final_window_mean(values: list[float | None]) -> float | None:
     return sum(valid[-n:]) / n
 
 
+def _floats(series: pl.Series) -> list[float | None]:
+    """A column as Python floats, None where null, NaN or infinite."""
+    return [
+        None if v is None or not math.isfinite(v) else float(v)
+        for v in series.cast(pl.Float64).to_list()
+    ]
+
+
+def _logged_columns(chosen: dict[str, Variant], run: Run) -> dict[str, str]:
+    """Metric id -> the steps-table column holding the trainer's own value of a metric that
+    rlscope recomputes from rollouts or tokens."""
+    if "steps" not in run.tables:
+        return {}
+    columns = run.tables["steps"].columns
+    logged = {}
+    for metric_id, variant in chosen.items():
+        if variant.table == "steps":
+            continue
+        found = next((c for c in METRICS[metric_id].logged_as if c in columns), None)
+        if found is not None:
+            logged[metric_id] = found
+    return logged
+
+
+def _no_series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    raise AssertionError("the logged-columns variant only contributes partials")
+
+
+def _logged_result(column: str | None, steps: pl.DataFrame | None) -> Logged | None:
+    if column is None or steps is None:
+        return None
+    frame = steps.select("step", pl.col(f"logged:{column}")).drop_nulls().sort("step")
+    values = _floats(frame[f"logged:{column}"])
+    return Logged(
+        column,
+        final_window_mean(values),
+        tuple(int(s) for s in frame["step"].to_list()),
+        tuple(values),
+    )
+
+
 def _extra(metric_id: str, frame: pl.DataFrame, context: Context) -> dict[str, Any]:
     """Metric-specific JSON: columns prefixed `extra_` carry their final-window summaries."""
     extra: dict[str, Any] = {}
     components = {c: c.removeprefix("extra_") for c in frame.columns if c.startswith("extra_")}
     if components:
         extra["components"] = {
-            name: final_window_mean(
-                [
-                    None if v is None or not math.isfinite(v) else float(v)
-                    for v in frame[col].cast(pl.Float64).to_list()
-                ]
-            )
-            for col, name in components.items()
+            name: final_window_mean(_floats(frame[col])) for col, name in components.items()
         }
     if metric_id == "signal.pass_at_k":
         extra["k"] = context.pass_k

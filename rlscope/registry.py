@@ -64,6 +64,9 @@ class Metric:
     # Which direction is better, for status colours and comparisons: "up", "down" or "" (band).
     better: str = ""
     references: str = ""
+    # Steps-table columns in which trainers log the same quantity (first found is used): when
+    # rlscope recomputes the metric from rollouts or tokens, both are shown and compared.
+    logged_as: tuple[str, ...] = ()
 
     def explain(self) -> str:
         lines = [f"{self.id}  ({self.layer}, metric)", "", self.title, "", self.doc, ""]
@@ -73,6 +76,8 @@ class Metric:
             cols = ", ".join(f"{variant.table}.{c}" for c in variant.requires)
             meta = f" + run.json {', '.join(variant.needs_meta)}" if variant.needs_meta else ""
             lines.append(f"  - {cols}{meta}" + (f"  [{variant.source}]" if variant.source else ""))
+        if self.logged_as:
+            lines.append(f"Compared with the trainer's logged: {', '.join(self.logged_as)}")
         if self.references:
             lines += ["", f"Sources: {self.references}"]
         return "\n".join(lines)

@@ -23,6 +23,16 @@ def severity_rank(severity: str) -> int:
 
 
 @dataclass(frozen=True)
+class Logged:
+    """The trainer's own logged value of a metric rlscope recomputed (steps-table column)."""
+
+    column: str
+    value: float | None
+    steps: tuple[int, ...]
+    values: tuple[float | None, ...]
+
+
+@dataclass(frozen=True)
 class MetricResult:
     """One metric over a run: its per-step series and the summary over the final window."""
 
@@ -35,6 +45,7 @@ class MetricResult:
     source: str = ""
     notes: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+    logged: Logged | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,20 @@ class Report:
                     "notes": list(m.notes),
                     "series": {"step": list(m.steps), "value": json_safe(list(m.values))},
                     **json_safe(m.extra),
+                    **(
+                        {
+                            "logged": {
+                                "column": m.logged.column,
+                                "value": json_safe(m.logged.value),
+                                "series": {
+                                    "step": list(m.logged.steps),
+                                    "value": json_safe(list(m.logged.values)),
+                                },
+                            }
+                        }
+                        if m.logged is not None
+                        else {}
+                    ),
                 }
                 for m in self.metrics.values()
             },

@@ -97,6 +97,8 @@ class Scenario:
     reward_scale_sd: float = 0.0
     advantage: Literal["grpo", "dr_grpo"] = "grpo"
     grad_spikes: tuple[float, ...] = ()
+    # What the trainer's step log reports as KL, relative to the token-mean k3 (a logging bug).
+    logged_kl_factor: float = 1.0
 
 
 HEALTHY = Scenario(
@@ -218,6 +220,12 @@ SCENARIOS: dict[str, Scenario] = {
             "Each rollout independently makes 0 calls (p = 0.55) or 3/4/5 calls (p = .35/.35/.3): "
             "mean ~1.8 calls, within-group CV ~1.15, ~13% at the cap.",
             tools=_bimodal_tools,
+        ),
+        _variant(
+            "logged-metric-mismatch",
+            "Healthy, but the trainer's step log reports KL three times the token-mean k3 of the "
+            "logged tokens (a wrong estimator or a normalisation bug in the trainer's metric).",
+            logged_kl_factor=3.0,
         ),
     )
 }
@@ -432,6 +440,7 @@ def generate(
                     token_rows = token_rows.filter(pl.col("pos") < max_tokens_per_rollout)
                 writer.log_tokens(token_rows)
             grad_norm = math.exp(rng.normal(-0.3 * u, 0.2))
+            means["kl"] *= sc.logged_kl_factor
             writer.log_step(
                 t,
                 loss=0.05 * (1 - 0.6 * u) + rng.normal(0.0, 0.01),

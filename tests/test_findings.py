@@ -22,7 +22,13 @@ SIZES = {
     "short-small": dict(steps=30, prompts_per_step=8, group_size=8),
     "long-wide": dict(steps=160, prompts_per_step=48, group_size=16),
 }
-TOKEN_FINDINGS = {"entropy-collapse", "entropy-clip-conflict", "kl-stalled", "kl-runaway"}
+TOKEN_FINDINGS = {
+    "entropy-collapse",
+    "entropy-clip-conflict",
+    "kl-stalled",
+    "kl-runaway",
+    "logged-metric-mismatch",
+}
 
 
 def _run(tmp: Path, scenario: str, size: str, seed: int, tokens: bool) -> Report:

@@ -105,6 +105,7 @@ def test_scenarios_are_documented() -> None:
         "mode-collapse",
         "tool-cap-saturation",
         "tool-call-instability",
+        "logged-metric-mismatch",
     }
     assert set(SCENARIOS) == expected
     for name, scenario in SCENARIOS.items():
@@ -434,3 +435,13 @@ def test_signatures_survive_small_runs(
     tmp_path: Path, scenario: str, check: Callable[[Path], bool]
 ) -> None:
     assert check(generate(tmp_path / "run", scenario, **SMALL))
+
+
+def test_logged_metric_mismatch_logs_three_times_the_token_kl(tmp_path: Path) -> None:
+    path = generate(tmp_path / "lm", "logged-metric-mismatch", steps=12, prompts_per_step=4)
+    tokens = pl.read_parquet(path / "tokens" / "*.parquet")
+    d = tokens["ref_logprob"].cast(pl.Float64) - tokens["logprob"].cast(pl.Float64)
+    k3 = (d.exp() - d - 1).to_numpy()
+    steps = pl.read_parquet(path / "steps" / "*.parquet").sort("step")
+    per_step = np.array([k3[(tokens["step"] == s).to_numpy()].mean() for s in steps["step"]])
+    np.testing.assert_allclose(steps["kl"].to_numpy(), 3.0 * per_step, rtol=1e-6)

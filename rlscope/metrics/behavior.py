@@ -26,6 +26,7 @@ ENT_N = ("ent_n", pl.col("entropy").count().cast(pl.Int64))
 register_metric(
     Metric(
         id="behavior.entropy",
+        logged_as=("entropy", "actor/entropy"),
         layer="L2",
         title="Token entropy",
         doc="Token-mean of the full-vocabulary entropy H = -Σ π log π (nats) per step. Without a "
@@ -149,6 +150,7 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.response_len",
+        logged_as=("response_length/mean", "completions/mean_length"),
         layer="L2",
         title="Mean response length",
         doc="Mean generated tokens per train rollout. Rising length is the R1/o1 signature, but "
@@ -213,6 +215,7 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.truncation_rate",
+        logged_as=("response_length/clip_ratio", "completions/clipped_ratio"),
         layer="L2",
         title="Truncation rate",
         doc="Share of train rollouts that hit the generation length cap (`truncated`, or "

@@ -28,6 +28,7 @@ EASY_ABOVE = 2 / 3
 register_metric(
     Metric(
         id="signal.reward",
+        logged_as=("reward", "critic/score/mean"),
         layer="L3",
         title="Mean reward",
         doc="Mean sequence reward over the step's train rollouts. Necessary, not sufficient: it "
@@ -66,6 +67,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.zero_std_frac",
+        logged_as=("frac_reward_zero_std",),
         layer="L3",
         title="Share of zero-σ groups",
         doc="Share of the step's prompt groups (size >= 2) whose rewards are all equal: zero "

@@ -73,6 +73,7 @@ def _clip_from_ratio(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="stability.clip_frac",
+        logged_as=("clip_frac", "actor/pg_clipfrac", "clip_ratio/region_mean"),
         layer="L1",
         title="PPO clip fraction",
         doc="Share of tokens whose PPO ratio clip is active. From the tokens' `clipped` flag when "
@@ -107,6 +108,7 @@ register_metric(
 register_metric(
     Metric(
         id="stability.kl",
+        logged_as=("kl", "actor/kl_loss"),
         layer="L1",
         title="KL to the reference policy (k3)",
         doc="Token-mean k3 estimator of KL(π‖π_ref): with d = ref_logprob - logprob, "
@@ -133,6 +135,7 @@ _ppo = f64("old_logprob") - f64("logprob")
 register_metric(
     Metric(
         id="stability.ppo_kl",
+        logged_as=("ppo_kl", "actor/ppo_kl"),
         layer="L1",
         title="PPO KL (drift within one update)",
         doc="Token-mean of old_logprob - logprob (verl's actor/ppo_kl): how far the updated "

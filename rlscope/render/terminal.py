@@ -82,6 +82,9 @@ def _layer_panel(report: Report, layer: str, status: dict[str, Finding]) -> Pane
     table = Table(box=None, pad_edge=False, padding=(0, 2))
     table.add_column("metric", no_wrap=True, min_width=max((len(m.id) for m in metrics), default=6))
     table.add_column("value", justify="right", no_wrap=True, min_width=10)
+    show_logged = any(m.logged is not None for m in metrics)
+    if show_logged:  # the trainer's own value next to rlscope's recomputation
+        table.add_column("logged", justify="right", no_wrap=True)
     table.add_column("trend", no_wrap=True, min_width=SPARK_WIDTH)
     table.add_column("status", no_wrap=True)
     for metric in metrics:
@@ -90,9 +93,11 @@ def _layer_panel(report: Report, layer: str, status: dict[str, Finding]) -> Pane
             state = Text("ok", style="green")
         else:
             state = Text(finding.id, style=SEVERITY_STYLE[finding.severity])
+        logged = [format_value(metric.logged.value) if metric.logged else ""] if show_logged else []
         table.add_row(
             Text(metric.id, style="bold"),
             format_value(metric.value),
+            *logged,
             Text(sparkline(metric.values, SPARK_WIDTH), style="blue"),
             state,
         )

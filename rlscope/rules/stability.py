@@ -217,3 +217,80 @@ def entropy_clip_conflict(ctx: RuleContext) -> Iterator[Finding]:
             clip_frac_end=clip_end,
             steps=[int(entropy.steps[-1])],
         )
+
+
+LOGGED_METRICS = (
+    "stability.kl",
+    "stability.clip_frac",
+    "stability.ppo_kl",
+    "behavior.entropy",
+    "behavior.response_len",
+    "behavior.truncation_rate",
+    "signal.reward",
+    "signal.zero_std_frac",
+)
+
+
+@rule(
+    "logged-metric-mismatch",
+    layer="L1",
+    title="The trainer's logged metric disagrees with rlscope's recomputation",
+    doc="For each metric rlscope recomputes from rollouts or tokens and the trainer also logged "
+    "(entropy, KL, clip fraction, PPO KL, reward, zero-σ share, truncation, mean length), the two "
+    "per-step series are aligned on step; a step disagrees when |recomputed - logged| > "
+    "`abs_tol` + `rel_tol`·max(|recomputed|, |logged|). The finding fires when at least "
+    "`min_share` of the aligned steps (and at least `min_steps`) disagree. Trainers have shipped "
+    "wrong metrics (verl entropy with dynamic batch size before 0.4.1, a clip_ratio on one TRL "
+    "version), and micro-batch averaging with equal weights instead of per token shifts them a "
+    "little: the tolerance absorbs the latter.",
+    remedy="check which side is right: rlscope's doc (`rlscope explain ID`) states its formula; "
+    "compare with the trainer version's code; check that the logged tokens and rollouts are the "
+    "full batch (not a sample) and that the step numbering matches.",
+    metrics=LOGGED_METRICS,
+    params={
+        "rel_tol": Param(0.1, "relative tolerance per step"),
+        "abs_tol": Param(1e-4, "absolute tolerance per step"),
+        "min_share": Param(0.5, "share of aligned steps that must disagree"),
+        "min_steps": Param(3, "fewest aligned steps to compare"),
+    },
+)
+def logged_metric_mismatch(ctx: RuleContext) -> Iterator[Finding]:
+    p = ctx.params
+    mismatches = {}
+    for metric_id in LOGGED_METRICS:
+        result = ctx.results.get(metric_id)
+        if result is None or result.logged is None:
+            continue
+        logged = dict(zip(result.logged.steps, result.logged.values, strict=True))
+        pairs = [
+            (v, logged[s])
+            for s, v in zip(result.steps, result.values, strict=True)
+            if v is not None and logged.get(s) is not None
+        ]
+        if len(pairs) < p["min_steps"]:
+            continue
+        ours, theirs = np.array(pairs, dtype=np.float64).T
+        tolerance = p["abs_tol"] + p["rel_tol"] * np.maximum(np.abs(ours), np.abs(theirs))
+        share = float(np.mean(np.abs(ours - theirs) > tolerance))
+        if share >= p["min_share"]:
+            mismatches[metric_id] = {
+                "logged_column": result.logged.column,
+                "recomputed_median": float(np.median(ours)),
+                "logged_median": float(np.median(theirs)),
+                "share_of_steps": share,
+                "steps_compared": len(pairs),
+            }
+    if mismatches:
+        parts = [
+            f"{m} ({e['logged_column']} logged {e['logged_median']:.4g} vs "
+            f"{e['recomputed_median']:.4g} recomputed, {pct(e['share_of_steps'])} of "
+            f"{e['steps_compared']} steps)"
+            for m, e in mismatches.items()
+        ]
+        steps = [s for m in mismatches for s in ctx.results[m].steps]
+        yield ctx.finding(
+            "Logged and recomputed values disagree: " + "; ".join(parts) + ".",
+            mismatches=mismatches,
+            metrics=list(mismatches),
+            steps=[min(steps), max(steps)],
+        )
