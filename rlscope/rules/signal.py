@@ -112,17 +112,19 @@ def reward_concentration(ctx: RuleContext) -> Iterator[Finding]:
     layer="L3",
     title="pass@1 rises while pass@k does not",
     doc="Between the first and last fifth of the run pass@1 rose by at least `min_rise` "
-    "(z >= `z`), while pass@k (k = group size) rose by less than `k_ratio` of that or fell — "
-    "with room left for pass@k to rise (it started at most 1 - `headroom`). Probability is "
-    "concentrating on modes the policy already knew and no new ones are found: the early sign "
-    "of mode collapse (Yue et al. 2025), long before reward turns down.",
+    "(z >= `z`), while pass@k (k = group size) closed less than `k_ratio` of the share of its "
+    "headroom that pass@1 closed — (last - first) / (1 - first) for each, so a pass@k that is "
+    "simply near its ceiling does not count as flat — or fell; pass@k must start at most "
+    "1 - `headroom`. Probability is concentrating on modes the policy already knew and no new "
+    "ones are found: the early sign of mode collapse (Yue et al. 2025), long before reward "
+    "turns down.",
     remedy="keep exploration alive: higher temperature, entropy bonus or clip-higher, larger "
     "groups; check pass@k at large k against the base model; diversify prompts.",
     metrics=("signal.pass_at_1", "signal.pass_at_k"),
     params={
         "min_rise": Param(0.03, "pass@1 rise (absolute) that counts"),
         "z": Param(3.0, "z-score of the pass@1 rise"),
-        "k_ratio": Param(0.25, "pass@k rising less than this share of the pass@1 rise is flat"),
+        "k_ratio": Param(0.25, "pass@k closing less than this share of pass@1's headroom gain"),
         "headroom": Param(0.05, "pass@k must start at most 1 - headroom"),
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
     },
@@ -133,12 +135,16 @@ def mode_collapse(ctx: RuleContext) -> Iterator[Finding]:
     if p1 is None or pk is None or min(len(p1), len(pk)) < p["min_steps"]:
         return
     one, k = compare_windows(p1), compare_windows(pk)
-    rising = one.delta >= p["min_rise"] and one.z >= p["z"]
-    if rising and k.delta < p["k_ratio"] * one.delta and k.first <= 1 - p["headroom"]:
+    rising = one.delta >= p["min_rise"] and one.z >= p["z"] and one.first < 1
+    if not rising or k.first > 1 - p["headroom"]:
+        return
+    gain_one, gain_k = one.delta / (1 - one.first), k.delta / (1 - k.first)
+    if gain_k < p["k_ratio"] * gain_one:
         yield ctx.finding(
             f"pass@1 rose {one.first:.3f} → {one.last:.3f} while pass@k went {k.first:.3f} → "
             f"{k.last:.3f}: the policy sharpens known answers instead of finding new ones.",
             pass_at_1=[one.first, one.last],
             pass_at_k=[k.first, k.last],
+            headroom_closed={"pass@1": gain_one, "pass@k": gain_k},
             steps=[one.first_steps[0], one.last_steps[1]],
         )
