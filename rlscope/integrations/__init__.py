@@ -1,0 +1,1 @@
+"""Integrations with training frameworks: callbacks that write format-v1 runs as training goes."""
