@@ -10,8 +10,11 @@ verl writes nothing rlscope needs unless asked. Add to the `verl.trainer.main_pp
 then, after (or during) training::
 
     rlscope import verl /path/dumps runs/x                     # rollouts (train)
+    rlscope import verl /path/val_dumps runs/x --split eval_id # validation rollouts
     rlscope import verl-metrics /path/metrics.jsonl runs/x     # steps: actor/entropy, ...
     rlscope analyze runs/x
+
+Each import appends to runs/x, and re-running one imports only the steps added since.
 
 What verl dumps (see ../shared/reference/trainer-formats.md): per line `input` (decoded prompt),
 `output` (decoded response), `gts`, `score` (sequence reward), `step`, and every reward-extra key
@@ -129,11 +132,13 @@ def importers_available() -> bool:
     return hasattr(importlib.import_module("rlscope.importers"), "import_run")
 
 
-def import_into(outputs: VerlOutputs, run_dir: str | Path) -> Path:
-    """`rlscope import verl` + `rlscope import verl-metrics`, as library calls."""
+def import_into(outputs: VerlOutputs, run_dir: str | Path, run_id: str | None = None) -> Path:
+    """`rlscope import verl` (train, then validation as `eval_id`) and `rlscope import
+    verl-metrics`, as library calls; each appends to the same run directory."""
     from rlscope.importers import import_run  # type: ignore[import-not-found]
 
-    import_run("verl", outputs.rollout_dir, run_dir)
+    import_run("verl", outputs.rollout_dir, run_dir, **({"run_id": run_id} if run_id else {}))
+    import_run("verl", outputs.validation_dir, run_dir, split="eval_id")
     import_run("verl-metrics", outputs.metrics_file, run_dir)
     return Path(run_dir)
 
@@ -144,7 +149,7 @@ def main(out_dir: str | Path, steps: int = 8, seed: int = 0) -> Path | None:
     outputs = write_fake_verl_outputs(out_dir, steps=steps, seed=seed)
     if not importers_available():
         return None
-    return import_into(outputs, Path(out_dir) / "run")
+    return import_into(outputs, Path(out_dir) / "run", run_id=Path(out_dir).name)
 
 
 def _cli() -> None:

@@ -418,7 +418,10 @@ def test_verl_example_imports(tmp_path: Path) -> None:
         pytest.skip("rlscope.importers.import_run is not available yet: only the dump is tested")
     run = example.main(tmp_path / "verl", steps=8)
     assert run is not None
+    splits = dict(table(run, "rollouts").group_by("split").len().iter_rows())
+    assert splits == {"train": 8 * 4 * 8, "eval_id": 2 * 4}  # validation every 4 steps, n=1
     report = rlscope.analyze(run)
+    assert report.run.run_id == "verl"
     m = report.metrics
     assert report.run.n_groups == 8 * 4
     assert 0 < m["signal.pass_at_1"].value <= m["signal.pass_at_k"].value <= 1
