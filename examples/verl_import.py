@@ -16,7 +16,7 @@ then, after (or during) training::
 
 Each import appends to runs/x, and re-running one imports only the steps added since.
 
-What verl dumps (see ../shared/reference/trainer-formats.md): per line `input` (decoded prompt),
+What verl dumps (`RayPPOTrainer._dump_generations`): per line `input` (decoded prompt),
 `output` (decoded response), `gts`, `score` (sequence reward), `step`, and every reward-extra key
 of the batch (math rewards add `acc`, `pred`). There is no prompt uid and no advantage: the
 importer groups rollouts of one prompt by identical `input` within a step, and response lengths
