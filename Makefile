@@ -17,13 +17,13 @@ demo: $(STAMP)
 	$(BIN)/rlscope analyze sample_logs/entropy-collapse --fail-on never
 
 test: $(STAMP)
-	$(BIN)/ruff check rlscope tests
-	$(BIN)/ruff format --check rlscope tests
+	$(BIN)/ruff check rlscope tests examples benchmarks
+	$(BIN)/ruff format --check rlscope tests examples benchmarks
 	$(BIN)/python -m pytest
 
 format: $(STAMP)
-	$(BIN)/ruff format rlscope tests
-	$(BIN)/ruff check --fix rlscope tests
+	$(BIN)/ruff format rlscope tests examples benchmarks
+	$(BIN)/ruff check --fix rlscope tests examples benchmarks
 
 # Regenerate the committed sample runs (deterministic).
 samples: $(STAMP)

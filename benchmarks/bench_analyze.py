@@ -14,8 +14,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".bench"
-TOKEN_COLUMNS = ["step", "rollout_id", "logprob", "old_logprob", "ref_logprob", "entropy",
-                 "advantage"]
+TOKEN_COLUMNS = [
+    "step",
+    "rollout_id",
+    "logprob",
+    "old_logprob",
+    "ref_logprob",
+    "entropy",
+    "advantage",
+]
 
 BARE_SCAN = """
 import sys, polars as pl
@@ -67,14 +74,33 @@ def main() -> None:
     for target in args.tokens:
         run = ensure_run(target)
         n = token_rows(run)
-        analyze = [sys.executable, "-m", "rlscope", "analyze", str(run), "--format", "json",
-                   "--fail-on", "never"]
+        analyze = [
+            sys.executable,
+            "-m",
+            "rlscope",
+            "analyze",
+            str(run),
+            "--format",
+            "json",
+            "--fail-on",
+            "never",
+        ]
         bare = [sys.executable, "-c", BARE_SCAN.format(cols=TOKEN_COLUMNS), str(run)]
         a = sorted(timed(analyze) for _ in range(args.repeat))[args.repeat // 2]
         b = sorted(timed(bare) for _ in range(args.repeat))[args.repeat // 2]
         rows.append((n, a, b))
-        print(json.dumps({"tokens": n, "analyze_s": a[0], "analyze_rss_gib": a[1],
-                          "bare_scan_s": b[0], "bare_rss_gib": b[1]}), file=sys.stderr)
+        print(
+            json.dumps(
+                {
+                    "tokens": n,
+                    "analyze_s": a[0],
+                    "analyze_rss_gib": a[1],
+                    "bare_scan_s": b[0],
+                    "bare_rss_gib": b[1],
+                }
+            ),
+            file=sys.stderr,
+        )
     lines = [
         "# rlscope analyze benchmark",
         "",
@@ -87,8 +113,10 @@ def main() -> None:
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, (at, arss), (bt, brss) in rows:
-        lines.append(f"| {n:,} | {at:.2f} | {arss:.2f} | {bt:.2f} | {brss:.2f} | {at / bt:.2f} "
-                     f"| {n / at / 1e6:.1f} |")
+        lines.append(
+            f"| {n:,} | {at:.2f} | {arss:.2f} | {bt:.2f} | {brss:.2f} | {at / bt:.2f} "
+            f"| {n / at / 1e6:.1f} |"
+        )
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
