@@ -1,0 +1,53 @@
+"""Importers: turn what trainers write (verl, TRL, generic JSONL) into format-v1 run dirs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rlscope.errors import RlscopeError
+from rlscope.importers._base import (
+    MANIFEST,
+    Importer,
+    ImportResult,
+    Option,
+    Progress,
+    Session,
+    check_paths,
+)
+from rlscope.importers.jsonl import JSONL
+from rlscope.importers.trl import TRL
+from rlscope.importers.verl import VERL, VERL_METRICS
+
+IMPORTERS: dict[str, Importer] = {i.name: i for i in (VERL, VERL_METRICS, TRL, JSONL)}
+
+__all__ = ["IMPORTERS", "MANIFEST", "ImportResult", "Importer", "Option", "import_run"]
+
+
+def import_run(
+    format: str,
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    progress: Progress | None = None,
+    **options: Any,
+) -> ImportResult:
+    """Import `source` (never written to) in `format` into the run directory `out`.
+
+    Re-running appends only steps not imported yet (OUT/import.json records what was); the
+    options must be the same as the first time. `progress(files_done, files_total)` is called
+    after each source file. See `IMPORTERS[format].doc` for the mapping and the options."""
+    importer = IMPORTERS.get(format)
+    if importer is None:
+        raise RlscopeError(
+            f"unknown import format {format!r}", hint=f"formats: {', '.join(IMPORTERS)}"
+        )
+    source_path = Path(source).expanduser().resolve()
+    out_path = Path(out).expanduser().resolve()
+    check_paths(source_path, out_path)
+    session = Session(importer, source_path, out_path, importer.parse_options(options), progress)
+    session.open()
+    importer.run(session)
+    session.close()
+    return session.result()

@@ -1,0 +1,696 @@
+"""Importer machinery: options, results, the OUT/import.json manifest and buffered writing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from copy import deepcopy
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from rlscope.errors import RlscopeError
+from rlscope.schema import RUN_JSON, TABLES
+from rlscope.writer import RunWriter
+
+MANIFEST = "import.json"
+MANIFEST_VERSION = 1
+#: rollout_id = namespace * NAMESPACE + step * STEP + index within the step.
+STEP = 1_000_000
+NAMESPACE = 10**15
+MAX_STEP = NAMESPACE // STEP - 1
+#: Rows (or bytes) buffered before a flush writes one Parquet file per table.
+FLUSH_ROWS = 200_000
+FLUSH_BYTES = 256 * 2**20
+#: Examples kept per reason of skipped lines.
+EXAMPLES = 3
+
+Progress = Callable[[int, int], None]
+
+
+# --- options ------------------------------------------------------------------------------
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise ValueError("expected an integer")
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a number")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        return float(value)
+    raise ValueError("expected a number")
+
+
+def _str(value: Any) -> str:
+    if isinstance(value, str) and value:
+        return value
+    raise ValueError("expected a non-empty string")
+
+
+def _str_list(value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, list | tuple) and all(isinstance(v, str) and v for v in value):
+        return list(value)
+    raise ValueError("expected a list of names (or `a,b,c`)")
+
+
+def _pairs(value: Any) -> dict[str, str]:
+    if isinstance(value, str):
+        items = [p.split("=", 1) for p in value.split(",") if p.strip()]
+        if any(len(p) != 2 for p in items):
+            raise ValueError("expected `key=value,key=value`")
+        value = {k.strip(): v.strip() for k, v in items}
+    if isinstance(value, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) and k and v for k, v in value.items()
+    ):
+        return dict(value)
+    raise ValueError("expected a mapping of names (or `key=value,key=value`)")
+
+
+def _weights(value: Any) -> dict[str, float]:
+    pairs = _pairs(value) if isinstance(value, str) else value
+    if isinstance(pairs, Mapping):
+        try:
+            return {str(k): _float(v) for k, v in pairs.items()}
+        except ValueError:
+            pass
+    raise ValueError("expected a mapping of column name to number (or `a=1,b=0.5`)")
+
+
+KINDS: dict[str, Callable[[Any], Any]] = {
+    "bool": _bool,
+    "int": _int,
+    "float": _float,
+    "str": _str,
+    "list[str]": _str_list,
+    "dict[str,str]": _pairs,
+    "dict[str,float]": _weights,
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One importer option: name, kind (a key of KINDS), default and what it does. Strings are
+    accepted for every kind (`true`, `3`, `a,b`, `k=v,k2=v2`) so a CLI can pass them through."""
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    choices: Callable[[Any], str | None] | None = None  # returns an error message or None
+    compared: bool = True  # part of the manifest check (`strict` is not: same data either way)
+
+    def coerce(self, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            out = KINDS[self.kind](value)
+        except (ValueError, TypeError) as exc:
+            raise RlscopeError(f"option `{self.name}`: {exc}, got {value!r}") from None
+        problem = self.choices(out) if self.choices else None
+        if problem:
+            raise RlscopeError(f"option `{self.name}`: {problem}, got {value!r}")
+        return out
+
+
+def _check_split(split: str) -> str | None:
+    if split == "train" or split.startswith("eval_"):
+        return None
+    return "must be `train` or start with `eval_` (eval_id, eval_ood, ...)"
+
+
+COMMON_OPTIONS: tuple[Option, ...] = (
+    Option("algorithm", "str", None, "run.json algorithm (default: the importer's)"),
+    Option("run_id", "str", None, "run.json run_id (default: the source folder's name)"),
+    Option(
+        "strict",
+        "bool",
+        False,
+        "stop at the first malformed line with an error naming file and line",
+        compared=False,
+    ),
+)
+ROLLOUT_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "correct_threshold",
+        "float",
+        None,
+        "correct = reward >= this where the source has no correctness field "
+        "(default reward > 0); also written to run.json",
+    ),
+    Option("max_response_len", "int", None, "run.json max_response_len (truncation = len >= cap)"),
+)
+SPLIT_OPTION = Option(
+    "split",
+    "str",
+    "train",
+    "split of every imported rollout: `train`, or an eval split (`eval_id`, `eval_ood`, any "
+    "`eval_*`) for validation dumps",
+    choices=_check_split,
+)
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What one import did."""
+
+    format: str
+    source: Path
+    out: Path
+    rows: dict[str, int]  # rows written per table
+    first_step: int | None  # steps imported by this call
+    last_step: int | None
+    steps_imported: int
+    steps_skipped: int  # already imported by an earlier call
+    files_read: int
+    files_unchanged: int  # already imported and unchanged: not read
+    lines_skipped: dict[str, int]  # reason -> count
+    line_examples: tuple[str, ...]  # `file:line: detail`, the first few per reason
+    warnings: tuple[str, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def written(self) -> bool:
+        return any(self.rows.values())
+
+    def summary(self) -> str:
+        """A few lines a person can read."""
+        rows = ", ".join(f"{n:,} {t}" for t, n in self.rows.items() if n) or "nothing new"
+        lines = [f"{self.format}: {self.source} -> {self.out}: {rows}"]
+        if self.steps_imported:
+            lines.append(
+                f"  steps {self.first_step}..{self.last_step} ({self.steps_imported} imported)"
+            )
+        if self.steps_skipped:
+            lines.append(f"  {self.steps_skipped} step(s) already imported, skipped")
+        for reason, count in self.lines_skipped.items():
+            lines.append(f"  skipped {count:,} line(s): {reason}")
+        lines += [f"    e.g. {e}" for e in self.line_examples]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Importer:
+    """One source format: its options, the tables it writes, and the function doing it."""
+
+    name: str
+    summary: str
+    options: tuple[Option, ...]
+    tables: tuple[str, ...]
+    default_algorithm: str
+    run: Callable[[Session], None]
+
+    @property
+    def doc(self) -> str:
+        """What it reads, the field mapping and the rules (the run function's doc string),
+        followed by its options."""
+        import inspect
+
+        text = inspect.cleandoc(self.run.__doc__ or self.summary)
+        opts = "\n".join(
+            f"  {o.name} ({o.kind}, default {o.default!r}): {o.doc}" for o in self.options
+        )
+        return f"{text}\n\nOptions:\n{opts}"
+
+    def parse_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        known = {o.name: o for o in self.options}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise RlscopeError(
+                f"{self.name}: unknown option(s) {', '.join(unknown)}",
+                hint=f"{self.name} takes {', '.join(sorted(known))}",
+            )
+        return {
+            name: (
+                o.coerce(options[name]) if options.get(name) is not None else deepcopy(o.default)
+            )
+            for name, o in known.items()
+        }
+
+
+# --- skipped lines ------------------------------------------------------------------------
+
+
+class LineSkips:
+    """Malformed source lines: counts per reason and the first few `file:line` examples."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.counts: Counter[str] = Counter()
+        self.examples: dict[str, list[str]] = {}
+
+    def add(self, path: Path, line: int, reason: str, detail: str = "") -> None:
+        where = f"{path}:{line}: {reason}" + (f" ({detail})" if detail else "")
+        if self.strict:
+            raise RlscopeError(where, hint="without strict, malformed lines are skipped")
+        self.counts[reason] += 1
+        kept = self.examples.setdefault(reason, [])
+        if len(kept) < EXAMPLES:
+            kept.append(where)
+
+
+# --- files and fingerprints ---------------------------------------------------------------
+
+
+def file_hash(path: Path, limit: int | None = None) -> str:
+    """blake2b of the file's first `limit` bytes (all of it by default)."""
+    digest = hashlib.blake2b(digest_size=16)
+    remaining = limit
+    with open(path, "rb") as handle:
+        while remaining is None or remaining > 0:
+            chunk = handle.read(1 << 20 if remaining is None else min(1 << 20, remaining))
+            if not chunk:
+                break
+            digest.update(chunk)
+            if remaining is not None:
+                remaining -= len(chunk)
+    return digest.hexdigest()
+
+
+def fingerprint(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "blake2b": file_hash(path)}
+
+
+def split_namespace(split: str) -> int:
+    """rollout_id namespace of a split, so train and eval imports into one OUT never clash."""
+    fixed = {"train": 0, "eval_id": 1, "eval_ood": 2}
+    if split in fixed:
+        return fixed[split]
+    return 3 + int(hashlib.blake2b(split.encode(), digest_size=4).hexdigest(), 16) % 9000
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _parquet_files(out: Path) -> set[str]:
+    found = set()
+    for table in TABLES:
+        folder = out / table
+        if folder.is_dir():
+            found |= {
+                p.relative_to(out).as_posix()
+                for p in folder.rglob("*.parquet")
+                if not p.name.startswith((".", "_"))
+            }
+        if (out / f"{table}.parquet").is_file():
+            found.add(f"{table}.parquet")
+    return found
+
+
+# --- one import ---------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """State of one import call: options, manifest entry, buffered output, result counters.
+
+    Importers read `source` and `options`, call `add_rollouts` / `add_steps` with frames,
+    `file_done` after each source file and `checkpoint` when a flush would be safe; the
+    session writes through RunWriter and keeps OUT/import.json in step with what is on disk."""
+
+    importer: Importer
+    source: Path
+    out: Path
+    options: dict[str, Any]
+    progress: Progress | None = None
+    key: str = ""
+    entry: dict[str, Any] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    skips: LineSkips = field(default_factory=lambda: LineSkips(False))
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    rows: Counter[str] = field(default_factory=Counter)
+    steps_written: set[int] = field(default_factory=set)
+    files_read: int = 0
+    files_unchanged: int = 0
+    group_sizes: Counter[int] = field(default_factory=Counter)
+    meta: dict[str, Any] = field(default_factory=dict)  # run.json fields the importer knows
+    _buffers: dict[str, list[pl.DataFrame]] = field(default_factory=dict)
+    _step_rows: list[dict[str, Any]] = field(default_factory=list)
+    _staged_files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _staged_last: dict[str, int] = field(default_factory=dict)
+    _seen: set[tuple[str, int]] = field(default_factory=set)
+    _skipped: set[tuple[str, int]] = field(default_factory=set)
+    _unchanged_steps: int = 0
+    _writer: RunWriter | None = None
+    _dirty: bool = False
+
+    # -- setup --
+
+    def open(self) -> None:
+        self.skips = LineSkips(bool(self.options.get("strict")))
+        split = self.options.get("split") or "train"
+        self.key = self.importer.name if split == "train" else f"{self.importer.name}:{split}"
+        self.manifest = self._read_manifest()
+        imports: dict[str, Any] = self.manifest["imports"]
+        compared = {o.name: self.options[o.name] for o in self.importer.options if o.compared}
+        source = str(self.source)
+        if self.key in imports:
+            entry = imports[self.key]
+            if entry.get("source") != source:
+                raise RlscopeError(
+                    f"{self.out / MANIFEST}: this OUT holds a `{self.key}` import of "
+                    f"{entry.get('source')}, not {source}",
+                    hint="use a new OUT dir for another source",
+                )
+            old = entry.get("options", {})
+            changed = sorted(k for k in set(old) | set(compared) if old.get(k) != compared.get(k))
+            if changed:
+                diffs = "; ".join(f"{k}: {old.get(k)!r} -> {compared.get(k)!r}" for k in changed)
+                raise RlscopeError(
+                    f"{self.out / MANIFEST}: options differ from the earlier `{self.key}` import "
+                    f"({diffs})",
+                    hint="an import is only extended with the same options; use a new OUT dir",
+                )
+            self.entry = entry
+        else:
+            self._check_conflicts(imports, split)
+            self.entry = {
+                "format": self.importer.name,
+                "source": source,
+                "options": compared,
+                "split": split,
+                "tables": list(self.importer.tables),
+                "last_step": {},
+                "files": {},
+                "state": {},
+                "outputs": [],
+            }
+        self._check_orphans(imports)
+
+    def _read_manifest(self) -> dict[str, Any]:
+        path = self.out / MANIFEST
+        if not path.exists():
+            return {"manifest_version": MANIFEST_VERSION, "imports": {}}
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+            raise RlscopeError(f"{path}: unreadable import manifest ({exc})") from None
+        if (
+            not isinstance(doc, dict)
+            or doc.get("manifest_version") != MANIFEST_VERSION
+            or not isinstance(doc.get("imports"), dict)
+        ):
+            raise RlscopeError(
+                f"{path}: not an rlscope import manifest (version {MANIFEST_VERSION})",
+                hint="use a new OUT dir",
+            )
+        return doc
+
+    def _check_conflicts(self, imports: dict[str, Any], split: str) -> None:
+        for key, other in imports.items():
+            tables = set(other.get("tables", ())) & set(self.importer.tables)
+            if "steps" in tables:
+                raise RlscopeError(
+                    f"{self.out / MANIFEST}: the steps table was already imported by `{key}` "
+                    f"from {other.get('source')}",
+                    hint="one import per OUT writes steps; use a new OUT dir",
+                )
+            if "rollouts" in tables and other.get("split", "train") == split:
+                raise RlscopeError(
+                    f"{self.out / MANIFEST}: {split} rollouts were already imported by `{key}` "
+                    f"from {other.get('source')}",
+                    hint="use a new OUT dir, or import this source with another split",
+                )
+
+    def _check_orphans(self, imports: dict[str, Any]) -> None:
+        known = {f for e in imports.values() for f in e.get("outputs", ())}
+        orphans = sorted(_parquet_files(self.out) - known)
+        if orphans:
+            shown = ", ".join(orphans[:3]) + (" ..." if len(orphans) > 3 else "")
+            raise RlscopeError(
+                f"{self.out}: holds Parquet files no import recorded ({shown})",
+                hint="an interrupted import leaves them, or OUT is not an import dir: delete "
+                "them or use a new OUT dir",
+            )
+
+    # -- what earlier imports did --
+
+    def already(self, table: str, step: int, *, this_call: bool = True) -> bool:
+        """Whether `step` of `table` was imported by an earlier call (at or below its last
+        step) or, with `this_call`, earlier in this one."""
+        last = self.entry["last_step"].get(table)
+        return (last is not None and step <= last) or (this_call and (table, step) in self._seen)
+
+    def state(self) -> dict[str, Any]:
+        """Importer-specific state kept in the manifest (mutable; saved at checkpoints)."""
+        return self.entry.setdefault("state", {})
+
+    def file_status(self, path: Path) -> tuple[str, dict[str, Any] | None]:
+        """`new`, `unchanged`, `grown` (the imported bytes are intact, more were appended) or
+        `changed`, and the manifest record of the file."""
+        rel = self.rel(path)
+        record = self.entry["files"].get(rel)
+        if record is None:
+            return "new", None
+        stat = path.stat()
+        if stat.st_size == record["size"] and stat.st_mtime_ns == record["mtime_ns"]:
+            return "unchanged", record
+        if stat.st_size > record["size"] and file_hash(path, record["size"]) == record["blake2b"]:
+            return "grown", record
+        if stat.st_size == record["size"] and file_hash(path) == record["blake2b"]:
+            return "unchanged", record  # touched, same bytes
+        return "changed", record
+
+    def rel(self, path: Path) -> str:
+        try:
+            return path.relative_to(self.source).as_posix()
+        except ValueError:
+            return path.name
+
+    def skip_unchanged(self, record: dict[str, Any], *, count_steps: bool = True) -> None:
+        """A source file imported earlier and unchanged since: not read."""
+        self.files_unchanged += 1
+        if count_steps:
+            self._unchanged_steps += int(record.get("n_steps", 0))
+
+    def skip_step(self, table: str, step: int) -> None:
+        """Count a step left out because it was already imported."""
+        self._skipped.add((table, step))
+
+    @property
+    def steps_skipped(self) -> int:
+        main = "rollouts" if "rollouts" in self.importer.tables else "steps"
+        return self._unchanged_steps + sum(t == main for t, _ in self._skipped)
+
+    # -- writing --
+
+    def rollout_ids(self, frame: pl.DataFrame, index: str) -> pl.Series:
+        """namespace(split) * 10^15 + step * 10^6 + index within the step: deterministic, and
+        unique across re-imports and across train and eval imports into one OUT."""
+        if frame.height and int(frame[index].max()) >= STEP:  # type: ignore[arg-type]
+            raise RlscopeError(
+                f"{self.source}: a step has {STEP:,} rollouts or more; rollout ids "
+                f"(step * {STEP:,} + index) would clash"
+            )
+        splits = frame["split"].unique().to_list()
+        ns = frame["split"].replace_strict(
+            {s: split_namespace(s) for s in splits}, return_dtype=pl.Int64
+        )
+        ids = ns * NAMESPACE + frame["step"].cast(pl.Int64) * STEP + frame[index].cast(pl.Int64)
+        return ids.alias("rollout_id")
+
+    def add_rollouts(self, frame: pl.DataFrame) -> None:
+        if frame.height == 0:
+            return
+        frame = frame.select("rollout_id", pl.exclude("rollout_id"))
+        for step in frame["step"].unique().to_list():
+            self._seen.add(("rollouts", int(step)))
+            self.steps_written.add(int(step))
+        if (self.options.get("split") or "train") == "train":
+            sizes = frame.group_by("step", "prompt_id").len()["len"].value_counts()
+            for size, count in sizes.iter_rows():
+                self.group_sizes[int(size)] += int(count)
+        self._buffers.setdefault("rollouts", []).append(frame)
+        self.rows["rollouts"] += frame.height
+        self._stage_last("rollouts", int(frame["step"].max()))  # type: ignore[arg-type]
+
+    def add_steps(self, rows: Iterable[dict[str, Any]]) -> None:
+        for row in rows:
+            step = int(row["step"])
+            self._seen.add(("steps", step))
+            if "rollouts" not in self.importer.tables:
+                self.steps_written.add(step)
+            self._step_rows.append(row)
+            self.rows["steps"] += 1
+            self._stage_last("steps", step)
+
+    def _stage_last(self, table: str, step: int) -> None:
+        self._staged_last[table] = max(step, self._staged_last.get(table, step))
+
+    def file_done(self, path: Path, n_steps: int, **extra: Any) -> None:
+        """Record a source file as imported (committed with the next flush)."""
+        self._staged_files[self.rel(path)] = {**fingerprint(path), "n_steps": n_steps, **extra}
+        self.files_read += 1
+
+    def checkpoint(self, *, force: bool = False) -> None:
+        """Flush buffered rows if there are enough of them (or `force`), then save the
+        manifest, so OUT/import.json always describes the Parquet files on disk."""
+        buffered = sum(f.height for fs in self._buffers.values() for f in fs)
+        size = sum(f.estimated_size() for fs in self._buffers.values() for f in fs)
+        if not force and buffered < FLUSH_ROWS and size < FLUSH_BYTES:
+            return
+        before = _parquet_files(self.out) if self.out.exists() else set()
+        if buffered or self._step_rows:
+            writer = self._open_writer()
+            for table, frames in self._buffers.items():
+                for frame in frames:
+                    getattr(writer, f"log_{table}")(frame)
+            for row in self._step_rows:
+                writer.log_step(**row)
+            writer.flush()
+            self._buffers = {}
+            self._step_rows = []
+        if not (self._staged_files or self._staged_last or buffered):
+            return
+        self.entry["files"].update(self._staged_files)
+        for table, step in self._staged_last.items():
+            old = self.entry["last_step"].get(table)
+            self.entry["last_step"][table] = step if old is None else max(old, step)
+        self._staged_files = {}
+        self._staged_last = {}
+        new = sorted(_parquet_files(self.out) - before)
+        self.entry["outputs"] = sorted({*self.entry.get("outputs", ()), *new})
+        self._dirty = True
+        self.save()
+
+    def save(self) -> None:
+        if not self._dirty:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.entry["updated"] = datetime.now(UTC).isoformat(timespec="seconds")
+        self.manifest["imports"][self.key] = self.entry
+        _atomic_write(self.out / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
+        self._dirty = False
+
+    def _run_meta(self) -> dict[str, Any]:
+        meta = dict(self.meta)
+        if self.group_sizes and "group_size" not in meta:
+            meta["group_size"] = max(self.group_sizes.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        for name in ("correct_threshold", "max_response_len"):
+            if self.options.get(name) is not None:
+                meta[name] = self.options[name]
+        return meta
+
+    def _open_writer(self) -> RunWriter:
+        if self._writer is not None:
+            return self._writer
+        meta = self._run_meta()
+        run_json = self.out / RUN_JSON
+        if run_json.exists():
+            self._complete_run_json(run_json, meta)
+        self._writer = RunWriter(
+            self.out,
+            run_id=self.options.get("run_id") or default_run_id(self.source),
+            algorithm=self.options.get("algorithm") or self.importer.default_algorithm,
+            flush_rows=dict.fromkeys(TABLES, 2**62),  # the session decides when to flush
+            **meta,
+        )
+        return self._writer
+
+    def _complete_run_json(self, path: Path, meta: dict[str, Any]) -> None:
+        """An earlier import of another format wrote run.json: keep it, only add fields it
+        lacks (e.g. group_size, known once rollouts are imported)."""
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            return
+        missing = {k: v for k, v in meta.items() if v is not None and k not in doc}
+        if isinstance(doc, dict) and missing:
+            _atomic_write(path, json.dumps({**doc, **missing}, indent=2) + "\n")
+            self.notes.append(f"run.json kept; added {', '.join(sorted(missing))}")
+
+    def close(self) -> None:
+        self.checkpoint(force=True)
+        if self._writer is not None:
+            self._writer.close()
+        self.save()
+
+    def tick(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(done, total)
+
+    def result(self) -> ImportResult:
+        steps = sorted(self.steps_written)
+        examples = tuple(e for reason in self.skips.counts for e in self.skips.examples[reason])
+        return ImportResult(
+            format=self.importer.name,
+            source=self.source,
+            out=self.out,
+            rows={t: self.rows.get(t, 0) for t in self.importer.tables},
+            first_step=steps[0] if steps else None,
+            last_step=steps[-1] if steps else None,
+            steps_imported=len(steps),
+            steps_skipped=self.steps_skipped,
+            files_read=self.files_read,
+            files_unchanged=self.files_unchanged,
+            lines_skipped=dict(self.skips.counts),
+            line_examples=examples,
+            warnings=tuple(dict.fromkeys(self.warnings)),
+            notes=tuple(dict.fromkeys(self.notes)),
+        )
+
+
+def default_run_id(source: Path) -> str:
+    """The source folder's name (a file's folder for a file source)."""
+    return (source if source.is_dir() else source.parent).name or "run"
+
+
+def check_paths(source: Path, out: Path) -> None:
+    """OUT is rlscope's: never the source, never inside a source folder."""
+    if not source.exists():
+        raise RlscopeError(f"{source}: no such file or directory")
+    if out.exists() and not out.is_dir():
+        raise RlscopeError(f"{out}: OUT exists and is not a directory")
+    if source.is_dir() and (out == source or out.is_relative_to(source)):
+        raise RlscopeError(
+            f"{out}: OUT is inside the source {source}",
+            hint="rlscope never writes into the source; pick an OUT dir outside it",
+        )
+    if source.is_file() and out == source:
+        raise RlscopeError(f"{out}: OUT is the source file")
+
+
+def numbered(paths: Iterable[Path], stem: Callable[[Path], str]) -> list[tuple[int | None, Path]]:
+    """Paths sorted by the integer in their name (non-numeric names last, by name)."""
+    items = []
+    for path in paths:
+        text = stem(path)
+        items.append((int(text) if text.isdigit() else None, path))
+    return sorted(items, key=lambda item: (item[0] is None, item[0] or 0, item[1].name))

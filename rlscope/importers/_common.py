@@ -1,0 +1,112 @@
+"""Rules shared by the importers: correctness, reserved names, step filtering, step rows."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from rlscope.importers._base import MAX_STEP, Session
+from rlscope.importers._jsonl import LINE
+from rlscope.schema import TABLES
+
+#: Columns importers add beside the format-v1 ones.
+OWN_EXTRAS = ("prompt", "n_env_steps")
+RESERVED_ROLLOUTS = frozenset(c.name for c in TABLES["rollouts"].columns) | set(OWN_EXTRAS)
+RESERVED_STEPS = frozenset(c.name for c in TABLES["steps"].columns)
+
+
+def correct_from_reward(reward: pl.Expr, threshold: float | None) -> pl.Expr:
+    """correct = reward >= correct_threshold when given, else reward > 0."""
+    return reward >= threshold if threshold is not None else reward > 0
+
+
+def correct_rule(threshold: float | None, name: str = "reward") -> str:
+    return f"{name} >= {threshold} (correct_threshold)" if threshold is not None else f"{name} > 0"
+
+
+def rename_reserved(
+    frame: pl.DataFrame, extras: Iterable[str], session: Session, what: str
+) -> tuple[pl.DataFrame, list[str]]:
+    """Extra source keys carrying a format-v1 name (or one the importers add) are kept as
+    `raw_<key>`, so they never pass for the format's own column. Returns the frame and the
+    extra columns' new names."""
+    extras = list(extras)
+    clash = {c: f"raw_{c}" for c in extras if c in RESERVED_ROLLOUTS}
+    if not clash:
+        return frame, extras
+    session.notes.append(
+        f"{what} key(s) {', '.join(f'`{c}`' for c in clash)} kept as "
+        f"{', '.join(f'`{n}`' for n in clash.values())} (format-v1 names)"
+    )
+    return frame.rename(clash), [clash.get(c, c) for c in extras]
+
+
+def keep_new_steps(
+    frame: pl.DataFrame, path: Path, session: Session, status: str, *, this_call: bool = True
+) -> pl.DataFrame:
+    """Drop rows of steps out of range (skipped lines) and of steps already imported (counted;
+    a warning when they come from a new or changed file)."""
+    bad = frame.filter((pl.col("step") < 0) | (pl.col("step") > MAX_STEP))
+    for line, step in bad.select(LINE, "step").iter_rows():
+        session.skips.add(path, line, "step out of range", f"{step}, expected 0..{MAX_STEP:,}")
+    frame = frame.filter(pl.col("step").is_between(0, MAX_STEP))
+    steps = frame["step"].unique().sort().to_list()
+    old = [s for s in steps if session.already("rollouts", s, this_call=this_call)]
+    if not old:
+        return frame
+    for step in old:
+        session.skip_step("rollouts", step)
+    if status in ("new", "changed", "grown"):
+        shown = ", ".join(map(str, old[:5])) + (" ..." if len(old) > 5 else "")
+        session.warnings.append(
+            f"{path}: step(s) {shown} already imported; not re-imported"
+            + (" (the file changed after it was imported)" if status == "changed" else "")
+        )
+    return frame.filter(~pl.col("step").is_in(old))
+
+
+def index_within_step(frame: pl.DataFrame, order: str = LINE) -> pl.DataFrame:
+    """`_index`: 0-based position of each row within its step, in source order."""
+    return frame.sort(order).with_columns(
+        pl.int_range(pl.len(), dtype=pl.Int64).over("step").alias("_index")
+    )
+
+
+class StepRows:
+    """Per-step metric dicts from a trainer log: mapped names, other numeric keys under their
+    own name (format-v1 names not mapped become `raw_<key>`), non-numeric values dropped and
+    counted; several records of one step merge, later keys winning."""
+
+    def __init__(self, mapping: Mapping[str, str]) -> None:
+        self.mapping = dict(mapping)
+        self.rows: dict[int, dict[str, float]] = {}
+        self.dropped: Counter[str] = Counter()
+
+    def add(self, step: int, data: Mapping[str, Any]) -> None:
+        row = self.rows.setdefault(step, {})
+        for key, value in data.items():
+            if key == "step":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                self.dropped[key] += 1
+                continue
+            name = self.mapping.get(key, key)
+            if key not in self.mapping and key in RESERVED_STEPS:
+                name = f"raw_{key}"
+            row[name] = float(value) if math.isfinite(value) else math.nan
+
+    def note(self, session: Session, what: str) -> None:
+        if self.dropped:
+            keys = ", ".join(f"`{k}`" for k, _ in self.dropped.most_common(5))
+            session.notes.append(
+                f"{what}: {sum(self.dropped.values()):,} non-numeric value(s) dropped "
+                f"(keys {keys}{' ...' if len(self.dropped) > 5 else ''})"
+            )
+
+    def sorted_rows(self) -> list[dict[str, Any]]:
+        return [{"step": s, **self.rows[s]} for s in sorted(self.rows)]
