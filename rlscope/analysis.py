@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import polars as pl
 
+from rlscope.cache import import_cache_dir
 from rlscope.config import Config, load_config
 from rlscope.engine import compute
 from rlscope.reader import open_run
 from rlscope.report import Report, RunInfo
 from rlscope.rules import evaluate
+
+Progress = Callable[[int, int], None]
 
 
 def analyze(
@@ -20,8 +24,26 @@ def analyze(
     steps: tuple[int | None, int | None] = (None, None),
     metrics: Iterable[str] | None = None,
     config: Config | None = None,
+    from_format: str | None = None,
+    import_options: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
 ) -> Report:
-    """Analyse the run directory at `path` (read-only) and return its Report."""
+    """Analyse the run directory at `path` (read-only) and return its Report.
+
+    With `from_format` (`verl`, `trl`, ...), `path` is a trainer's own output: it is imported
+    (incrementally) into the user cache dir, never next to the source, and that run analysed.
+    """
+    import_notes: list[str] = []
+    if from_format is not None:
+        from rlscope.importers import import_run
+
+        options = dict(import_options or {})
+        out = import_cache_dir(from_format, path, options, root=cache_dir)
+        result = import_run(from_format, path, out, progress=progress, **options)
+        import_notes = [f"imported from {from_format} {path} into {out}", *result.notes]
+        import_notes += [f"import warning: {w}" for w in result.warnings]
+        path = out
     run = open_run(path, steps=steps)
     config = config if config is not None else load_config()
     computed = compute(run, metrics)
@@ -32,7 +54,7 @@ def analyze(
     step_values: set[int] = set()
     for result in computed.results.values():
         step_values.update(result.steps)
-    notes = sorted({note for r in computed.results.values() for note in r.notes})
+    notes = import_notes + sorted({note for r in computed.results.values() for note in r.notes})
     info = RunInfo(
         path=str(run.path),
         run_id=str(run.meta.get("run_id", run.path.name)),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -60,6 +62,41 @@ def parse_steps(text: str | None) -> tuple[int | None, int | None]:
     return bounds
 
 
+def parse_pairs(values: list[str], flag: str) -> dict[str, str]:
+    """`KEY=VALUE` strings (repeated flags, or comma-separated) into a dict."""
+    pairs: dict[str, str] = {}
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if not sep or not key.strip():
+            raise RlscopeError(f"{flag} {value!r}: expected KEY=VALUE")
+        pairs[key.strip().replace("-", "_")] = rest.strip()
+    return pairs
+
+
+@contextmanager
+def _progress(what: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress bar on stderr when it is a terminal; the callback gets (done, total)."""
+    err = _stderr()
+    if not err.is_terminal:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
 @app.command()
 def analyze(
     run: Annotated[Path, typer.Argument(help="Run directory (run.json + Parquet tables).")],
@@ -75,6 +112,19 @@ def analyze(
         Path | None,
         typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
     ] = None,
+    from_format: Annotated[
+        str | None,
+        typer.Option(
+            "--from", help="RUN is a trainer's output in this format (verl, trl, ...): import it."
+        ),
+    ] = None,
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", "-o", help="Import option KEY=VALUE (with --from); repeatable."),
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Where --from imports go (default: the user cache dir).")
+    ] = None,
 ) -> None:
     """Compute every metric layer by layer, diagnose, and print the report.
 
@@ -85,6 +135,8 @@ def analyze(
       rlscope analyze runs/r1 --format json --steps 100:500 > r1.json
 
       rlscope analyze runs/r1 --fail-on warn   # exit 1 on any warning (CI)
+
+      rlscope analyze verl_dumps/ --from verl   # a trainer's own output, imported to the cache
 
     Exit codes: 0 nothing at or above --fail-on, 1 there is, 2 usage or input error.
     """
@@ -101,12 +153,20 @@ def analyze(
         step_range = parse_steps(steps)
         metric_ids = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
         settings = load_config(config)
-        err = _stderr()
-        if err.is_terminal:
-            with err.status(f"analysing {run} …"):
-                report = run_analysis(run, steps=step_range, metrics=metric_ids, config=settings)
-        else:
-            report = run_analysis(run, steps=step_range, metrics=metric_ids, config=settings)
+        if option and from_format is None:
+            raise RlscopeError("--option is for imports: use it with --from FORMAT")
+        options = parse_pairs(option or [], "--option")
+        with _progress(f"analysing {run}") as progress:
+            report = run_analysis(
+                run,
+                steps=step_range,
+                metrics=metric_ids,
+                config=settings,
+                from_format=from_format,
+                import_options=options,
+                cache_dir=cache_dir,
+                progress=progress,
+            )
     except RlscopeError as exc:
         _fail(exc)
     if format == "json":
@@ -245,6 +305,90 @@ def synth(
     except RlscopeError as exc:
         _fail(exc)
     _stdout().print(f"wrote {path}", markup=False)
+
+
+@app.command("import")
+def import_command(
+    format: Annotated[str, typer.Argument(help="verl, verl-metrics, trl or jsonl.")],
+    source: Annotated[Path, typer.Argument(help="The trainer's output (read, never written).")],
+    out: Annotated[Path, typer.Argument(help="The format-v1 run directory to write or extend.")],
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", "-o", help="Importer option KEY=VALUE; repeatable."),
+    ] = None,
+    reward_column: Annotated[
+        list[str] | None, typer.Option(help="trl: reward column(s) to sum (default: all).")
+    ] = None,
+    map: Annotated[
+        str | None, typer.Option(help="jsonl: format-v1 name=source key, comma-separated.")
+    ] = None,
+    split: Annotated[
+        str | None, typer.Option(help="verl/jsonl: train (default), eval_id, eval_ood, eval_*.")
+    ] = None,
+    strict: Annotated[bool, typer.Option(help="Stop at the first malformed line.")] = False,
+) -> None:
+    """Convert a trainer's own logs into a format-v1 run directory (incremental).
+
+    Re-running on a grown source appends only the new steps. `rlscope formats FORMAT` lists
+    each format's mapping and options.
+
+    Examples:
+
+      rlscope import verl /path/rollout_dumps runs/x
+
+      rlscope import verl /path/val_dumps runs/x --split eval_id
+
+      rlscope import verl-metrics /path/metrics.jsonl runs/x
+
+      rlscope import trl outputs/grpo runs/y -o correct_column=accuracy_reward
+
+      rlscope import jsonl logs.jsonl runs/z --map step=iter,prompt_id=uid,reward=score
+
+    Exit codes: 0 imported, 2 a usage or input error (file and line named).
+    """
+    from rlscope.importers import import_run
+
+    try:
+        options: dict[str, object] = dict(parse_pairs(option or [], "--option"))
+        if reward_column:
+            options["reward_columns"] = ",".join(reward_column)
+        if map:
+            options["mapping"] = map
+        if split:
+            options["split"] = split
+        if strict:
+            options["strict"] = True
+        with _progress(f"importing {source}") as progress:
+            result = import_run(format, source, out, progress=progress, **options)
+    except RlscopeError as exc:
+        _fail(exc)
+    _stdout().print(result.summary(), markup=False, soft_wrap=True)
+
+
+@app.command()
+def formats(
+    name: Annotated[str | None, typer.Argument(help="One format to describe in full.")] = None,
+) -> None:
+    """List the formats `rlscope import` and `analyze --from` read, or describe one.
+
+    Examples:
+
+      rlscope formats
+
+      rlscope formats trl
+    """
+    from rlscope.importers import IMPORTERS
+
+    out = _stdout()
+    if name is None:
+        for importer in IMPORTERS.values():
+            out.print(f"{importer.name:14} {importer.summary}", markup=False)
+        out.print("`rlscope formats NAME` shows the mapping and options.", markup=False)
+        return
+    importer = IMPORTERS.get(name)
+    if importer is None:
+        _fail(RlscopeError(f"unknown format {name!r}", hint="formats: " + ", ".join(IMPORTERS)))
+    out.print(importer.doc, markup=False)
 
 
 def main() -> None:

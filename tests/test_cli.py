@@ -212,7 +212,7 @@ def test_no_color_is_respected(healthy: Path) -> None:
 
 
 def test_help_has_examples() -> None:
-    for command in ("analyze", "validate", "metrics", "explain", "synth"):
+    for command in ("analyze", "validate", "metrics", "explain", "synth", "import", "formats"):
         result = rlscope(command, "--help")
         assert result.returncode == 0 and "Examples" in result.stdout, command
 
@@ -242,3 +242,78 @@ def test_synth_then_analyze(tmp_path: Path) -> None:
     assert made.returncode == 0, made.stderr
     result = rlscope("analyze", str(out), "--format", "json", "--fail-on", "never")
     assert "dead-prompts" in {f["id"] for f in json.loads(result.stdout)["findings"]}
+
+
+def _verl_dump(root: Path, steps: range) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        lines = []
+        for p in range(3):
+            for k in range(4):
+                right = (k + p + step) % 3 == 0
+                lines.append(
+                    json.dumps(
+                        {
+                            "input": f"question {p}",
+                            "output": f"<think>step {k}</think><answer>{int(right)}</answer>",
+                            "score": 1.0 if right else 0.0,
+                            "step": step,
+                        }
+                    )
+                )
+        (root / f"{step}.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_import_is_incremental_and_leaves_the_source_alone(tmp_path: Path) -> None:
+    source = _verl_dump(tmp_path / "dumps", range(1, 4))
+    before = _fingerprint(source)
+    out = tmp_path / "run"
+    first = rlscope("import", "verl", str(source), str(out))
+    assert first.returncode == 0, first.stderr
+    assert "36 rollouts" in first.stdout
+    _verl_dump(source, range(4, 6))
+    second = rlscope("import", "verl", str(source), str(out))
+    assert second.returncode == 0 and "24 rollouts" in second.stdout
+    assert "3 step(s) already imported" in second.stdout
+    doc = json.loads(rlscope("analyze", str(out), "--format", "json").stdout)
+    assert doc["run"]["rollouts"] == 60 and doc["run"]["groups"] == 15
+    assert doc["metrics"]["signal.pass_at_k"]["k"] == 4
+    for path, stamp in before.items():
+        assert _fingerprint(source)[path] == stamp, "the source is never written"
+
+
+def test_analyze_from_imports_into_the_cache(tmp_path: Path) -> None:
+    source = _verl_dump(tmp_path / "dumps", range(1, 3))
+    cache = tmp_path / "cache"
+    result = rlscope(
+        "analyze", str(source), "--from", "verl", "--cache-dir", str(cache), "--format", "json"
+    )
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["run"]["rollouts"] == 24
+    assert any("imported from verl" in note for note in doc["notes"])
+    assert list((cache / "imports").iterdir()), "the import lives in the cache dir"
+    assert sorted(p.name for p in source.iterdir()) == ["1.jsonl", "2.jsonl"]
+
+
+def test_import_errors_exit_2(tmp_path: Path) -> None:
+    source = _verl_dump(tmp_path / "dumps", range(1, 2))
+    bad = rlscope("import", "nope", str(source), str(tmp_path / "o"))
+    assert bad.returncode == 2 and "unknown import format" in bad.stderr
+    bad = rlscope("import", "verl", str(source), str(tmp_path / "o"), "-o", "bogus=1")
+    assert bad.returncode == 2 and "unknown option" in bad.stderr
+    bad = rlscope("analyze", str(source), "-o", "split=eval_id")
+    assert bad.returncode == 2 and "--from" in bad.stderr
+    (source / "1.jsonl").write_text("{not json\n")
+    strict = rlscope("import", "verl", str(source), str(tmp_path / "s"), "--strict")
+    assert strict.returncode == 2 and "1.jsonl:1" in strict.stderr
+    assert "Traceback" not in strict.stderr
+
+
+def test_formats_lists_importers() -> None:
+    listing = rlscope("formats")
+    assert listing.returncode == 0
+    assert all(name in listing.stdout for name in ("verl", "verl-metrics", "trl", "jsonl"))
+    detail = rlscope("formats", "trl")
+    assert detail.returncode == 0 and "Options:" in detail.stdout

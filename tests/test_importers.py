@@ -175,7 +175,10 @@ def test_trl_fixture_agrees_with_trl_logs(tmp_path: Path) -> None:
     assert rollouts["prompt_id"].str.contains("#2").sum() == 11 * 8
 
     length = series(report, "behavior.response_len")
-    mean_len, clipped = logged["completions/mean_length"], logged["completions/clipped_ratio"]
+    mean_len, clipped = (
+        logged["completions/mean_length_logged"],
+        logged["completions/clipped_ratio"],
+    )
     gaps = [mean_len[s] - (length[s] + 1 - clipped[s]) for s in length]
     assert min(gaps) > 0  # words + EOS never exceed TRL's token count
     ratio = sum(length.values()) / sum(mean_len[s] for s in length)

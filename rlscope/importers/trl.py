@@ -45,6 +45,9 @@ STEP_NAMES = {
     "kl": "kl",
     "clip_ratio/region_mean": "clip_frac",
     "learning_rate": "lr",
+    # response_len is counted in words here, TRL counts tokens (EOS included): kept under another
+    # name so that logged-metric-mismatch compares like with like (as the TRL callback does).
+    "completions/mean_length": "completions/mean_length_logged",
 }
 #: Files whose prompts are read to infer num_generations.
 INFER_FILES = 16
@@ -91,9 +94,10 @@ def import_trl(session: Session) -> None:
     Steps from `trainer_state.json` (SOURCE/trainer_state.json or the newest
     SOURCE/checkpoint-*/trainer_state.json, whichever has the higher global_step): each
     `log_history` entry with a `step` -> one row; loss, grad_norm, entropy, kl,
-    clip_ratio/region_mean -> clip_frac, learning_rate -> lr, every other numeric key an extra
-    column under its own name (reward, reward_std, frac_reward_zero_std,
-    completions/mean_length, completions/clipped_ratio, rewards/<fn>/mean, ...), which rlscope
+    clip_ratio/region_mean -> clip_frac, learning_rate -> lr, completions/mean_length ->
+    completions/mean_length_logged (tokens, while response_len counts words: not compared),
+    every other numeric key an extra column under its own name (reward, reward_std,
+    frac_reward_zero_std, completions/clipped_ratio, rewards/<fn>/mean, ...), which rlscope
     compares with what it recomputes. Entries sharing a step merge, later keys winning.
 
     Agreement with TRL's logged values (tested on a real TRL 1.16 run): reward and
