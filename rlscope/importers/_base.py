@@ -488,6 +488,23 @@ class Session:
             return "unchanged", record  # touched, same bytes
         return "changed", record
 
+    def read_status(
+        self, path: Path, done: int, total: int, *, appendable: bool = True
+    ) -> str | None:
+        """The file's status, or None when it is unchanged since its import (counted, not read).
+        A file changed in place — or grown, for a format that is never appended to — is warned
+        about: its steps already imported are not re-imported."""
+        status, record = self.file_status(path)
+        if status == "unchanged" and record is not None:
+            self.skip_unchanged(record)
+            self.tick(done, total)
+            return None
+        if status == "changed" or (status == "grown" and not appendable):
+            self.warnings.append(
+                f"{path}: changed after it was imported; steps already imported are not re-imported"
+            )
+        return status
+
     def rel(self, path: Path) -> str:
         try:
             return path.relative_to(self.source).as_posix()

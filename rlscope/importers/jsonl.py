@@ -112,16 +112,9 @@ def import_jsonl(session: Session) -> None:
         session.notes.append(f"mapping: {describe}")
     counters: dict[int, int] = {}
     for done, path in enumerate(files, 1):
-        status, record = session.file_status(path)
-        if status == "unchanged" and record is not None:
-            session.skip_unchanged(record)
-            session.tick(done, len(files))
+        status = session.read_status(path, done, len(files))
+        if status is None:
             continue
-        if status == "changed":
-            session.warnings.append(
-                f"{path}: changed after it was imported (not only appended to); steps already "
-                "imported are not re-imported"
-            )
         steps: set[int] = set()
         valid = 0
         skipped_before = dict(session.skips.counts)

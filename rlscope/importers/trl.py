@@ -145,13 +145,9 @@ def import_trl(session: Session) -> None:
     done = 0
     for file_step, path in files:
         done += 1
-        status, record = session.file_status(path)
-        if status == "unchanged" and record is not None:
-            session.skip_unchanged(record)
-            session.tick(done, total)
+        status = session.read_status(path, done, total, appendable=False)
+        if status is None:
             continue
-        if status in ("changed", "grown"):
-            session.warnings.append(f"{path}: changed after it was imported")
         frame = _read(path, session)
         if frame is not None:
             n_steps = _import_file(frame, file_step, path, status, session)

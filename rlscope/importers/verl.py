@@ -97,13 +97,9 @@ def import_verl(session: Session) -> None:
     candidates = [opts["trajectory_key"]] if opts["trajectory_key"] else list(TRAJECTORY_KEYS)
     fields += [Field(k, "id") for k in candidates]
     for done, (file_step, path) in enumerate(files, 1):
-        status, record = session.file_status(path)
-        if status == "unchanged" and record is not None:
-            session.skip_unchanged(record)
-            session.tick(done, len(files))
+        status = session.read_status(path, done, len(files))
+        if status is None:
             continue
-        if status == "changed":
-            session.warnings.append(f"{path}: changed after it was imported")
         chunks = list(read_jsonl(path, fields, session.skips, session.warnings))
         frame = pl.concat(chunks, how="diagonal_relaxed") if chunks else pl.DataFrame()
         n_steps = 0
@@ -249,16 +245,9 @@ def import_verl_metrics(session: Session) -> None:
     if not files:
         raise RlscopeError(f"{session.source}: no *.jsonl metrics file")
     for done, (_, path) in enumerate(files, 1):
-        status, record = session.file_status(path)
-        if status == "unchanged" and record is not None:
-            session.skip_unchanged(record)
-            session.tick(done, len(files))
+        status = session.read_status(path, done, len(files))
+        if status is None:
             continue
-        if status == "changed":
-            session.warnings.append(
-                f"{path}: changed after it was imported (not only appended to); steps already "
-                "imported are not re-imported"
-            )
         rows = StepRows(METRIC_NAMES)
         steps: set[int] = set()
         for step, data in _metric_records(path, session):
