@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
@@ -15,7 +15,8 @@ from rlscope.reader import open_run
 from rlscope.report import Report, RunInfo
 from rlscope.rules import evaluate
 
-Progress = Callable[[int, int], None]
+if TYPE_CHECKING:
+    from rlscope.importers._base import Progress
 
 
 def analyze(
@@ -40,9 +41,9 @@ def analyze(
 
         options = dict(import_options or {})
         out = import_cache_dir(from_format, path, options, root=cache_dir)
-        result = import_run(from_format, path, out, progress=progress, **options)
-        import_notes = [f"imported from {from_format} {path} into {out}", *result.notes]
-        import_notes += [f"import warning: {w}" for w in result.warnings]
+        imported = import_run(from_format, path, out, progress=progress, **options)
+        import_notes = [f"imported from {from_format} {path} into {out}", *imported.notes]
+        import_notes += [f"import warning: {w}" for w in imported.warnings]
         path = out
     run = open_run(path, steps=steps)
     config = config if config is not None else load_config()
