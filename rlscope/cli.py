@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from rlscope.errors import RlscopeError
+from rlscope.render.sanitize import safe_text
 
 app = typer.Typer(
     name="rlscope",
@@ -41,8 +42,26 @@ def _stderr() -> Console:
     return Console(stderr=True, highlight=False)
 
 
+def _say(console: Console, text: object, *, multiline: bool = False, **options: object) -> None:
+    """Print untrusted text: controls escaped (`safe_text`), no markup, emoji or highlighting."""
+    from rich.text import Text
+
+    console.print(Text(safe_text(text, multiline=multiline)), **options)  # type: ignore[arg-type]
+
+
+def _markup_safe(text: object) -> str:
+    """Untrusted text for a Rich markup context (progress and status descriptions)."""
+    from rich.markup import escape
+
+    return escape(safe_text(text))
+
+
 def _fail(exc: RlscopeError) -> None:
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"error: {exc}", markup=False)
+    # The message may span lines (a quoted parser error, the hint); controls are escaped.
+    message = f"error: {safe_text(exc.message, multiline=True)}"
+    if exc.hint:
+        message += f"\n  hint: {safe_text(exc.hint, multiline=True)}"
+    _say(Console(stderr=True, highlight=False, soft_wrap=True), message, multiline=True)
     raise typer.Exit(2)
 
 
@@ -89,7 +108,7 @@ def _progress(what: str) -> Iterator[Callable[[int, int], None] | None]:
         console=err,
         transient=True,
     ) as bar:
-        task = bar.add_task(what, total=None)
+        task = bar.add_task(_markup_safe(what), total=None)
 
         def update(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
@@ -196,17 +215,17 @@ def validate(
     except RlscopeError as exc:
         _fail(exc)
     out = _stdout()
-    out.print(f"{run}: valid format-v1 run `{checked.meta.get('run_id')}`", markup=False)
+    _say(out, f"{run}: valid format-v1 run `{checked.meta.get('run_id')}`")
     for name, table in checked.tables.items():
-        out.print(
+        _say(
+            out,
             f"  {name}: {table.n_rows:,} rows in {len(table.files)} file(s); columns: "
             + ", ".join(table.schema),
-            markup=False,
         )
         for column, how in checked.derived_columns(name).items():
-            out.print(f"    derived {column}: {how}", markup=False)
+            _say(out, f"    derived {column}: {how}")
     for warning in checked.warnings:
-        _stderr().print(f"warning: {warning}", markup=False)
+        _say(_stderr(), f"warning: {warning}")
 
 
 @app.command("metrics")
@@ -292,7 +311,7 @@ def synth(
         if out.exists() and any(out.iterdir()):
             raise RlscopeError(f"{out}: exists and is not empty", hint="pick a new directory")
         err = _stderr()
-        with err.status(f"writing {scenario} run to {out} …"):
+        with err.status(_markup_safe(f"writing {scenario} run to {out} …")):
             path = generate(
                 out,
                 scenario,
@@ -304,7 +323,7 @@ def synth(
             )
     except RlscopeError as exc:
         _fail(exc)
-    _stdout().print(f"wrote {path}", markup=False)
+    _say(_stdout(), f"wrote {path}")
 
 
 @app.command("import")
@@ -362,7 +381,7 @@ def import_command(
             result = import_run(format, source, out, progress=progress, **options)
     except RlscopeError as exc:
         _fail(exc)
-    _stdout().print(result.summary(), markup=False, soft_wrap=True)
+    _say(_stdout(), result.summary(), multiline=True, soft_wrap=True)
 
 
 @app.command()

@@ -1,4 +1,9 @@
-"""The Report as a Rich terminal report: header, one panel per layer, findings by severity."""
+"""The Report as a Rich terminal report: header, one panel per layer, findings by severity.
+
+Every string from the data (run.json fields, paths, column names, prompt ids and rollout text
+in messages) goes through `safe_text` and into `Text(...)`, never into a markup string: data can
+neither send terminal escapes nor style the report.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from rlscope.render.sanitize import safe_text
 from rlscope.report import LAYERS, Finding, Report, severity_rank
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -70,7 +76,7 @@ def _header(report: Report) -> Panel:
         ("tokens", f"{run.n_tokens:,}"),
         ("tables", ", ".join(run.tables)),
     ):
-        grid.add_row(label, Text(str(value)))
+        grid.add_row(label, Text(safe_text(value)))
     return Panel(grid, title="rlscope analyze", title_align="left")
 
 
@@ -92,18 +98,18 @@ def _layer_panel(report: Report, layer: str, status: dict[str, Finding]) -> Pane
         if finding is None:
             state = Text("ok", style="green")
         else:
-            state = Text(finding.id, style=SEVERITY_STYLE[finding.severity])
+            state = Text(safe_text(finding.id), style=SEVERITY_STYLE[finding.severity])
         logged = [format_value(metric.logged.value) if metric.logged else ""] if show_logged else []
         table.add_row(
-            Text(metric.id, style="bold"),
-            format_value(metric.value),
-            *logged,
+            Text(safe_text(metric.id), style="bold"),
+            Text(format_value(metric.value)),
+            *(Text(v) for v in logged),
             Text(sparkline(metric.values, SPARK_WIDTH), style="blue"),
             state,
         )
     lines: list = [table] if metrics else []
     for skip in skipped:
-        lines.append(Text(f"skipped {skip.metric}: {skip.reason}", style="dim"))
+        lines.append(Text(safe_text(f"skipped {skip.metric}: {skip.reason}"), style="dim"))
     return Panel(Group(*lines), title=f"{layer} {LAYERS[layer]}", title_align="left")
 
 
@@ -127,13 +133,13 @@ def _findings(report: Report) -> Panel:
         for finding in report.findings:
             body.add_row(
                 Text(finding.severity.upper(), style=SEVERITY_STYLE[finding.severity]),
-                Text(f"{finding.id} ({finding.layer})", style="bold"),
-                Text(finding.message),
+                Text(safe_text(f"{finding.id} ({finding.layer})"), style="bold"),
+                Text(safe_text(finding.message)),
             )
     unchecked = [s for s in report.skipped if _layer_of(s.metric) is None]
     if unchecked:
         names = ", ".join(s.metric for s in unchecked)
-        body = Group(body, Text(f"not checked (inputs missing): {names}", style="dim"))
+        body = Group(body, Text(safe_text(f"not checked (inputs missing): {names}"), style="dim"))
     return Panel(body, title="Findings", title_align="left")
 
 
@@ -146,8 +152,8 @@ def render_terminal(report: Report, console: Console) -> None:
             parts.append(panel)
     parts.append(_findings(report))
     for note in report.notes:
-        parts.append(Text(f"note: {note}", style="dim"))
+        parts.append(Text(safe_text(f"note: {note}"), style="dim"))
     for warning in report.warnings:
-        parts.append(Text(f"warning: {warning}", style="yellow"))
+        parts.append(Text(safe_text(f"warning: {warning}"), style="yellow"))
     parts.append(Text("`rlscope explain ID` explains any metric or finding.", style="dim"))
     console.print(Group(*parts))
