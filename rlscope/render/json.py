@@ -8,4 +8,5 @@ from rlscope.report import Report
 
 
 def render_json(report: Report) -> str:
-    return json.dumps(report.to_dict(), indent=2, ensure_ascii=False, allow_nan=False)
+    # ASCII-only: C1 controls and bidi overrides in data cannot reach a terminal raw.
+    return json.dumps(report.to_dict(), indent=2, ensure_ascii=True, allow_nan=False)
