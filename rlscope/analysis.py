@@ -11,7 +11,7 @@ import polars as pl
 from rlscope.cache import import_cache_dir
 from rlscope.config import Config, load_config
 from rlscope.engine import compute
-from rlscope.reader import open_run
+from rlscope.reader import open_run, scan_error
 from rlscope.report import Report, RunInfo
 from rlscope.rules import evaluate
 
@@ -48,7 +48,11 @@ def analyze(
     run = open_run(path, steps=steps)
     config = config if config is not None else load_config()
     computed = compute(run, metrics)
-    findings, rule_skips = evaluate(computed, run, config)
+    try:
+        findings, rule_skips = evaluate(computed, run, config)
+    except (pl.exceptions.PolarsError, OSError) as exc:  # a rule's own scan
+        raise scan_error(run, run.tables, "running the rules", exc) from None
+    run.check_unchanged()  # rules may scan again: still the snapshot taken at open
 
     groups = computed.aggregates.get(("rollouts", ""))
     train_groups = groups.filter(pl.col("split") == "train") if groups is not None else None
@@ -74,6 +78,6 @@ def analyze(
         metrics=computed.results,
         findings=tuple(findings),
         skipped=computed.skipped + tuple(rule_skips),
-        warnings=run.warnings,
+        warnings=run.warnings + computed.warnings,
         notes=tuple(notes),
     )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import polars as pl
 
 from rlscope.errors import RlscopeError
-from rlscope.reader import Run
+from rlscope.reader import INVALID_PREFIX, Run, invalid_warnings, scan_error, valid_rollout
 from rlscope.registry import METRICS, Metric, Variant, load_all
 from rlscope.report import Logged, MetricResult, Skipped
 
@@ -22,6 +22,7 @@ ENTROPY_BINS_PER_EFOLD = 100
 ENTROPY_BIN_OFFSET = 0.05
 ENTROPY_MAX_BIN = 1000
 GROUP_KEYS = ("split", "step", "prompt_id")
+ROWS = "__rows__"  # row-count partial of the level that counts a table's data problems
 FINAL_WINDOW_FRACTION = 0.1
 
 
@@ -59,6 +60,8 @@ class Computed:
     skipped: tuple[Skipped, ...]
     aggregates: dict[tuple[str, str], pl.DataFrame]  # (table, level) -> partial aggregates
     context: Context
+    # Data problems met while scanning (NaN/inf counts, tokens without a rollout).
+    warnings: tuple[str, ...] = ()
 
 
 def choose_variant(metric: Metric, run: Run) -> Variant | str:
@@ -100,20 +103,58 @@ def _merged_partials(variants: Iterable[Variant], meta: dict[str, Any]) -> dict[
     return merged
 
 
-def aggregate_query(run: Run, table: str, level: str, partials: dict[str, pl.Expr]) -> pl.LazyFrame:
-    """One scan of `table`, aggregated to `level` with every requested partial."""
-    lf = run.scan(table)
+def aggregate_query(
+    run: Run,
+    table: str,
+    level: str,
+    partials: dict[str, pl.Expr],
+    count_invalid: Iterable[str] | None = None,
+) -> pl.LazyFrame:
+    """One scan of `table`, aggregated to `level` with every requested partial, plus the number
+    of NaN/inf values of each `count_invalid` column (partials named `__invalid__<column>`) and
+    the row count (`__rows__`), when given (the first level of a table other than rollouts)."""
+    flags = [INVALID_PREFIX + c for c in count_invalid or ()]
+    lf = run.scan(table, invalid_flags=bool(flags))
     exprs = [expr.alias(name) for name, expr in partials.items()]
+    exprs += [pl.col(f).cast(pl.Int64).sum().alias(f) for f in flags]
+    if table != "rollouts" and count_invalid is not None:
+        exprs.append(pl.len().alias(ROWS))  # for the count of rows with a null step
     if table == "rollouts":
         keys: list[Any] = list(GROUP_KEYS)
-        lf = lf.filter(pl.col("reward").is_not_null())  # counted in the reader's warnings
+        lf = lf.filter(valid_rollout())  # what is left out is counted in the reader's warnings
     elif level == "entropy_bins":
         # Kept apart from the per-step sums: few columns per (step, bin) group keeps it small.
         keys = ["step", entropy_bin()]
-        lf = lf.filter(pl.col("entropy").is_not_null())
+        if not flags:
+            lf = lf.filter(pl.col("entropy").is_not_null())
+        # else rows without entropy land in a null bin, dropped after collection (compute).
     else:
         keys = ["step"]
     return lf.group_by(keys).agg(exprs)
+
+
+def _float_columns_used(run: Run, table: str, partials: dict[str, pl.Expr]) -> list[str]:
+    """Float columns the partials read: the ones whose NaN/inf count costs no extra I/O."""
+    used: set[str] = set()
+    for expr in partials.values():
+        used.update(expr.meta.root_names())
+    schema = run.tables[table].schema
+    return [c for c, t in schema.items() if c in used and isinstance(t, pl.Float32 | pl.Float64)]
+
+
+def orphan_tokens_query(run: Run) -> pl.LazyFrame:
+    """Token rows whose rollout_id is not in the rollouts table. Costs one extra pass over the
+    tokens' `rollout_id` column only (one int64 per token; the other columns are not read) and
+    a hash table the size of the number of rollouts; folding it into the per-step aggregation
+    would need a join of every token row."""
+    ids = replace(run, step_range=(None, None)).scan("rollouts").select("rollout_id").unique()
+    return (
+        run.scan("tokens")
+        .group_by("rollout_id")
+        .agg(pl.len().alias("rows"))
+        .join(ids, on="rollout_id", how="anti", nulls_equal=False)
+        .select(pl.len().alias("ids"), pl.col("rows").sum().alias("rows"))
+    )
 
 
 def resolve_pass_k(run: Run, groups: pl.DataFrame | None) -> int | None:
@@ -152,12 +193,46 @@ def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
         }
         by_level.setdefault(("steps", ""), []).append(Variant("steps", (), _no_series, partials))
     levels = sorted(by_level)
-    queries = [
-        aggregate_query(run, table, level, _merged_partials(by_level[table, level], run.meta))
-        for table, level in levels
-    ]
-    what = "reading " + ", ".join(dict.fromkeys(table for table, _ in levels))
-    aggregates = dict(zip(levels, _collect(queries, what), strict=True))
+    queries = []
+    counted: dict[tuple[str, str], list[str]] = {}
+    for table, level in levels:
+        partials = _merged_partials(by_level[table, level], run.meta)
+        # NaN/inf counts ride along the first scan of each table (rollouts: the reader counts
+        # them over all rows, before rows are left out).
+        if table != "rollouts" and not any(t == table for t, _ in counted):
+            counted[table, level] = _float_columns_used(run, table, partials)
+        queries.append(aggregate_query(run, table, level, partials, counted.get((table, level))))
+    tables = list(dict.fromkeys(table for table, _ in levels))
+    with_orphans = "tokens" in tables and "rollouts" in run.tables
+    if with_orphans:
+        queries.append(orphan_tokens_query(run))
+    what = "reading " + ", ".join(tables)
+    collected = _collect(queries, what, run, tables)
+    run.check_unchanged()  # every file read is the one listed at open
+    warnings: list[str] = []
+    if with_orphans:
+        orphans = collected.pop()
+        if orphans["rows"][0]:
+            warnings.append(
+                f"tokens: {orphans['rows'][0]:,} row(s) with {orphans['ids'][0]:,} rollout_id "
+                "value(s) that are not in the rollouts table (still used in the token metrics)"
+            )
+    aggregates = {}
+    for key, frame in zip(levels, collected, strict=True):
+        if key in counted:
+            columns = counted[key]
+            if columns:
+                sums = frame.select(pl.col(INVALID_PREFIX + c).sum() for c in columns).row(0)
+                warnings += invalid_warnings(key[0], dict(zip(columns, sums, strict=True)))
+            no_step = int(frame.filter(pl.col("step").is_null())[ROWS].sum())
+            if no_step:
+                warnings.append(
+                    f"{key[0]}: {no_step:,} row(s) with a null step are left out of the metrics"
+                )
+            frame = frame.drop(ROWS, *(INVALID_PREFIX + c for c in columns))
+            if key[1] == "entropy_bins":
+                frame = frame.filter(pl.col("entropy_bin").is_not_null())
+        aggregates[key] = frame.filter(pl.col("step").is_not_null())
 
     context = Context(run, resolve_pass_k(run, aggregates.get(("rollouts", ""))))
     ids = list(chosen)
@@ -193,7 +268,7 @@ def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
             extra=_extra(metric_id, frame, context),
             logged=_logged_result(logged.get(metric_id), aggregates.get(("steps", ""))),
         )
-    return Computed(results, frames, tuple(skipped), aggregates, context)
+    return Computed(results, frames, tuple(skipped), aggregates, context, tuple(warnings))
 
 
 def _empty_reason(frame: pl.DataFrame, variant: Variant) -> str:
@@ -267,7 +342,9 @@ def _extra(metric_id: str, frame: pl.DataFrame, context: Context) -> dict[str, A
     return extra
 
 
-def _collect(queries: list[pl.LazyFrame], what: str) -> list[pl.DataFrame]:
+def _collect(
+    queries: list[pl.LazyFrame], what: str, run: Run | None = None, tables: Iterable[str] = ()
+) -> list[pl.DataFrame]:
     if not queries:
         return []
     try:
@@ -275,6 +352,9 @@ def _collect(queries: list[pl.LazyFrame], what: str) -> list[pl.DataFrame]:
         # scan in memory, i.e. it would materialise the token table.
         return pl.collect_all(queries, optimizations=pl.QueryOptFlags(comm_subplan_elim=False))
     except (pl.exceptions.PolarsError, OSError) as exc:
+        if run is not None:
+            # Names the file removed/rewritten since the open, or the unreadable file/column.
+            raise scan_error(run, tables, what, exc) from None
         raise RlscopeError(
             f"failed while {what}: {exc}",
             hint="`rlscope validate RUN` checks every file's schema; a file may be corrupt",

@@ -1,4 +1,12 @@
-"""Find, validate and lazily scan a format-v1 run directory; never writes into it."""
+"""Find, validate and lazily scan a format-v1 run directory; never writes into it.
+
+Snapshot semantics: `open_run` lists a run's files once and reads their footers; every later
+scan reads exactly those files, so analysing a run that is still being written (RunWriter adds
+complete files under new names, never rewrites one) sees a consistent snapshot as of the open —
+files added afterwards are not read. A listed file that is removed or rewritten (size, mtime or
+inode changed) before the scans finish is an RlscopeError naming the file, never a silently
+different number; re-running takes a new snapshot.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +29,20 @@ _FLOAT_TYPES = (pl.Float32, pl.Float64)
 _STRING_TYPES = (pl.String, pl.Categorical, pl.Enum)
 _JSON_CHECKS = {"integer": int, "number": (int, float), "string": str}
 
+#: `Run.scan(table, invalid_flags=True)` adds, per float column `c`, a boolean
+#: `__invalid__c`: the file held a non-null value that is not finite (NaN/±inf, read as null).
+INVALID_PREFIX = "__invalid__"
+#: A response longer than this (or negative) is a logging bug, not a length.
+MAX_RESPONSE_LEN = 10_000_000
+
+
+def valid_rollout() -> pl.Expr:
+    """Rows the rollout metrics use: a step, a finite reward and a plausible (or missing)
+    length."""
+    length = pl.col("response_len")
+    absurd = ((length < 0) | (length > MAX_RESPONSE_LEN)).fill_null(False)
+    return pl.col("step").is_not_null() & pl.col("reward").is_not_null() & ~absurd
+
 
 @dataclass(frozen=True)
 class TableFiles:
@@ -33,6 +55,8 @@ class TableFiles:
     n_rows: int
     # Per file, values from hive-style folders (`step=000100/`) for columns the file lacks.
     file_hive: tuple[dict[str, str], ...] = ()
+    # Per file, (size, mtime_ns, inode) when the run was opened: the snapshot that is read.
+    file_stats: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def columns(self) -> set[str]:
@@ -100,13 +124,17 @@ class Run:
             )
         return out
 
-    def scan(self, table: str) -> pl.LazyFrame:
-        """The table as one LazyFrame with format-v1 types, derived columns and the step range."""
+    def scan(self, table: str, *, invalid_flags: bool = False) -> pl.LazyFrame:
+        """The table as one LazyFrame with format-v1 types, derived columns and the step range.
+
+        With `invalid_flags`, also a boolean `__invalid__<c>` per float column `c` (NaN/±inf in
+        the file); projection pushdown drops the ones a query does not use."""
         files = self.tables[table]
         frames = []
         for (signature, hive), paths in _group_by_signature(files).items():
             lf = pl.scan_parquet(list(paths), hive_partitioning=False, glob=False)
-            frames.append(lf.select(_conform(files.schema, dict(signature), dict(hive))))
+            exprs = _conform(files.schema, dict(signature), dict(hive), invalid_flags=invalid_flags)
+            frames.append(lf.select(exprs))
         lf = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
         lo, hi = self.step_range
         if lo is not None:
@@ -126,7 +154,70 @@ class Run:
             return 0
         if self.step_range == (None, None):
             return self.tables[table].n_rows
-        return int(self.scan(table).select(pl.len()).collect().item())
+        try:
+            return int(self.scan(table).select(pl.len()).collect().item())
+        except (pl.exceptions.PolarsError, OSError) as exc:
+            raise scan_error(self, [table], f"counting {table} rows", exc) from None
+
+    def check_unchanged(self) -> None:
+        """Raise if a file of the snapshot taken at open was removed or rewritten since."""
+        for files in self.tables.values():
+            for path, stat in zip(files.files, files.file_stats, strict=False):
+                try:
+                    now = _stat(path)
+                except OSError:
+                    raise RlscopeError(
+                        f"{path}: removed while the run was being read (the run's files are "
+                        "listed once, when it is opened)",
+                        hint="re-run to analyse the files present now; RunWriter never removes "
+                        "a finished file",
+                    ) from None
+                if now != stat:
+                    raise RlscopeError(
+                        f"{path}: rewritten while the run was being read (size or mtime changed)",
+                        hint="re-run; a writer should write a new file under a temporary name "
+                        "and rename it, never rewrite a finished one (RunWriter does so)",
+                    )
+
+    def locate_bad_data(self, tables: Iterable[str]) -> str | None:
+        """After a failed scan: the file, column and row range that cannot be read, if any.
+        Reads every listed column row group by row group (only ever on the error path)."""
+        for table in tables:
+            if table not in self.tables:
+                continue
+            files = self.tables[table]
+            for path, schema in zip(files.files, files.file_schemas, strict=True):
+                found = _locate_in_file(path, [c for c in schema if c in files.schema])
+                if found:
+                    return found
+        return None
+
+
+def _stat(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _locate_in_file(path: Path, columns: list[str]) -> str | None:
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        return f"{path}: not a readable Parquet file ({exc})"
+    start = 0
+    with parquet:
+        for group in range(parquet.metadata.num_row_groups):
+            n = parquet.metadata.row_group(group).num_rows
+            for column in columns:
+                try:
+                    data = parquet.read_row_group(group, columns=[column])
+                    data.validate(full=True)  # includes UTF-8 validity of string columns
+                except (pa.ArrowException, OSError) as exc:
+                    return (
+                        f"{path}: column `{column}`, rows {start:,}-{start + n - 1:,} "
+                        f"(row group {group}): {exc}"
+                    )
+            start += n
+    return None
 
 
 def _group_by_signature(files: TableFiles) -> dict[tuple, list[Path]]:
@@ -139,24 +230,35 @@ def _group_by_signature(files: TableFiles) -> dict[tuple, list[Path]]:
 
 
 def _conform(
-    target: dict[str, pl.DataType], file_schema: dict[str, pl.DataType], hive: dict[str, str]
+    target: dict[str, pl.DataType],
+    file_schema: dict[str, pl.DataType],
+    hive: dict[str, str],
+    *,
+    invalid_flags: bool = False,
 ) -> list[pl.Expr]:
     """Select every unified column: cast what the file has, take hive folder values or null for
-    what it lacks; NaN/inf in float columns become null (metrics use valid values only)."""
+    what it lacks; NaN/inf in float columns become null (metrics use valid values only), and
+    with `invalid_flags` a boolean `__invalid__<column>` marks where they were."""
     exprs = []
+    flags = []
     for name, dtype in target.items():
+        is_float = isinstance(dtype, pl.Float32 | pl.Float64)
         if name not in file_schema:
             value = hive.get(name)
             lit = pl.lit(value).cast(dtype) if value is not None else pl.lit(None, dtype=dtype)
             exprs.append(lit.alias(name))
+            if is_float and invalid_flags:
+                flags.append(pl.lit(False).alias(INVALID_PREFIX + name))
             continue
         col = pl.col(name)
         if file_schema[name] != dtype:
             col = col.cast(dtype)
-        if isinstance(dtype, pl.Float32 | pl.Float64):
+        if is_float:
+            if invalid_flags:
+                flags.append((~col.is_finite()).fill_null(False).alias(INVALID_PREFIX + name))
             col = pl.when(col.is_finite()).then(col).otherwise(None)
         exprs.append(col.alias(name))
-    return exprs
+    return exprs + flags
 
 
 def open_run(
@@ -289,6 +391,10 @@ def _arrow_schema(path: Path) -> pa.Schema:
         return pq.read_schema(path)
     except RlscopeError:
         raise
+    except FileNotFoundError:
+        raise RlscopeError(
+            f"{path}: removed while the run was being opened", hint="re-run"
+        ) from None
     except (pa.ArrowInvalid, OSError) as exc:
         raise RlscopeError(
             f"{path}: not a readable Parquet file ({exc})",
@@ -301,8 +407,15 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
     folder = root / name
     file_schemas: list[dict[str, pl.DataType]] = []
     file_hive: list[dict[str, str]] = []
+    file_stats: list[tuple[int, int, int]] = []
     n_rows = 0
     for path in files:
+        try:
+            file_stats.append(_stat(path))
+        except FileNotFoundError:
+            raise RlscopeError(
+                f"{path}: removed while the run was being opened", hint="re-run"
+            ) from None
         arrow = _arrow_schema(path)
         try:
             schema = dict(pl.from_arrow(arrow.empty_table()).schema)  # type: ignore[union-attr]
@@ -328,17 +441,28 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
             _check_hive_value(path, spec.column(col_name), value)  # type: ignore[arg-type]
         file_schemas.append(schema)
         file_hive.append(hive)
-        n_rows += pq.read_metadata(path).num_rows
+        try:
+            n_rows += pq.read_metadata(path).num_rows
+        except (pa.ArrowException, OSError) as exc:
+            raise RlscopeError(f"{path}: not a readable Parquet file ({exc})") from None
     unified: dict[str, pl.DataType] = {}
     for column in spec.columns:
         seen = [s[column.name] for s in file_schemas if column.name in s]
         if seen or any(column.name in h for h in file_hive):
             unified[column.name] = _canonical(column, seen)
     extra_types: dict[str, list[pl.DataType]] = {}
+    reserved: set[str] = set()
     for schema in file_schemas:
         for col_name, dtype in schema.items():
-            if spec.column(col_name) is None:
+            if col_name.startswith(INVALID_PREFIX):
+                reserved.add(col_name)
+            elif spec.column(col_name) is None:
                 extra_types.setdefault(col_name, []).append(dtype)
+    warnings.extend(
+        f"{name}: extra column `{col_name}` uses rlscope's reserved prefix `{INVALID_PREFIX}`; "
+        "not read"
+        for col_name in sorted(reserved)
+    )
     for col_name, types in extra_types.items():
         distinct = list(dict.fromkeys(types))
         if len(distinct) == 1:
@@ -360,7 +484,15 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
                 f"{name}: extra column `{col_name}` has incompatible types "
                 f"{', '.join(map(str, distinct))} in different files; not read"
             )
-    return TableFiles(name, tuple(files), tuple(file_schemas), unified, n_rows, tuple(file_hive))
+    return TableFiles(
+        name,
+        tuple(files),
+        tuple(file_schemas),
+        unified,
+        n_rows,
+        tuple(file_hive),
+        tuple(file_stats),
+    )
 
 
 def _check_hive_value(path: Path, column: Column, value: str) -> None:
@@ -409,31 +541,89 @@ def _canonical(column: Column, seen: Iterable[pl.DataType]) -> pl.DataType:
 
 
 def _check_rollouts(run: Run) -> list[str]:
-    """Duplicate rollout ids are an error; rows without a finite reward are a warning."""
+    """Duplicate rollout ids are an error. Warnings: rows without a finite reward or with an
+    absurd response_len (left out of the rollout metrics), NaN/inf in other float columns,
+    probes whose rollout_id is not a rollout. One pass over the (small) rollouts table."""
     files = run.tables["rollouts"]
-    raw = pl.concat(
-        [
-            pl.scan_parquet(list(paths), hive_partitioning=False, glob=False).select(
-                pl.col("rollout_id").cast(pl.Int64), pl.col("reward").cast(pl.Float64)
-            )
-            for paths in _group_by_signature(files).values()
-        ]
-    )
+    unranged = replace(run, step_range=(None, None))
+    raw = unranged.scan("rollouts", invalid_flags=True)
     dupes_query = (
         raw.group_by("rollout_id").len().filter(pl.col("len") > 1).sort("rollout_id").head(5)
     )
-    invalid_query = raw.select((~pl.col("reward").is_finite()).fill_null(True).sum())
-    dupes, invalid = pl.collect_all([dupes_query, invalid_query])
+    floats = [c for c, t in files.schema.items() if isinstance(t, pl.Float32 | pl.Float64)]
+    has_step, has_reward = pl.col("step").is_not_null(), pl.col("reward").is_not_null()
+    counts_query = raw.select(
+        (~has_step).sum().alias("no_step"),
+        (has_step & ~has_reward).sum().alias("no_reward"),
+        (has_step & has_reward & ~valid_rollout()).sum().alias("bad_len"),
+        *[pl.col(INVALID_PREFIX + c).sum().alias(c) for c in floats if c != "reward"],
+    )
+    queries = [dupes_query, counts_query]
+    if "probes" in run.tables:
+        ids = raw.select("rollout_id").unique()
+        queries.append(
+            unranged.scan("probes")
+            .join(ids, on="rollout_id", how="anti")
+            .select(pl.len().alias("rows"), pl.col("rollout_id").n_unique().alias("ids"))
+        )
+    try:
+        dupes, counts, *probes = pl.collect_all(queries)
+    except (pl.exceptions.PolarsError, OSError) as exc:
+        raise scan_error(run, ["rollouts", "probes"], "checking rollout ids", exc) from None
     if dupes.height:
-        ids = ", ".join(str(i) for i in dupes["rollout_id"].to_list())
+        ids_text = ", ".join(str(i) for i in dupes["rollout_id"].to_list())
         raise RlscopeError(
-            f"{run.path}: rollouts table has duplicate rollout_id values (e.g. {ids})",
+            f"{run.path}: rollouts table has duplicate rollout_id values (e.g. {ids_text})",
             hint="rollout_id must be unique in the run; with several ranks, offset ids by rank",
         )
-    n_invalid = int(invalid.item() or 0)
-    if n_invalid:
-        return [
-            f"rollouts: {n_invalid:,} row(s) with a missing, NaN or infinite reward are left out "
-            "of the rollout metrics"
-        ]
-    return []
+    row = counts.row(0, named=True)
+    warnings = []
+    if row["no_step"]:
+        warnings.append(
+            f"rollouts: {row['no_step']:,} row(s) with a null step are left out of the rollout "
+            "metrics"
+        )
+    if row["no_reward"]:
+        warnings.append(
+            f"rollouts: {row['no_reward']:,} row(s) with a missing, NaN or infinite reward are "
+            "left out of the rollout metrics"
+        )
+    if row["bad_len"]:
+        warnings.append(
+            f"rollouts: {row['bad_len']:,} row(s) with a negative or absurd response_len "
+            f"(< 0 or > {MAX_RESPONSE_LEN:,}) are left out of the rollout metrics"
+        )
+    warnings += invalid_warnings("rollouts", {c: row[c] for c in floats if c != "reward"})
+    if probes and probes[0]["rows"][0]:
+        rows, n_ids = probes[0]["rows"][0], probes[0]["ids"][0]
+        warnings.append(
+            f"probes: {rows:,} row(s) reference {n_ids:,} rollout_id value(s) that are not in "
+            "the rollouts table"
+        )
+    return warnings
+
+
+def invalid_warnings(table: str, counts: dict[str, int | None]) -> list[str]:
+    """`table.column: N NaN/inf values ignored` for every non-zero count."""
+    return [
+        f"{table}.{column}: {n:,} NaN/inf value(s) ignored (metrics use the valid ones)"
+        for column, n in counts.items()
+        if n
+    ]
+
+
+def scan_error(run: Run, tables: Iterable[str], what: str, exc: BaseException) -> RlscopeError:
+    """The error for a failed scan: a file removed or rewritten since the open, else the file,
+    column and rows that cannot be read, else Polars' message."""
+    run.check_unchanged()
+    located = run.locate_bad_data(tables)
+    if located:
+        return RlscopeError(
+            f"{located}",
+            hint="the file is corrupt or holds invalid data (e.g. non-UTF-8 bytes in a string "
+            "column); re-write or delete it",
+        )
+    return RlscopeError(
+        f"failed while {what}: {exc}",
+        hint="`rlscope validate RUN` checks every file's schema; a file may be corrupt",
+    )
