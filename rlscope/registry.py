@@ -60,6 +60,7 @@ class Metric:
     doc: str
     healthy: str
     variants: tuple[Variant, ...]
+    # "share": a proportion in [0, 1] (checked by the property tests); "" otherwise.
     unit: str = ""
     # Which direction is better, for status colours and comparisons: "up", "down" or "" (band).
     better: str = ""
@@ -71,6 +72,8 @@ class Metric:
     def explain(self) -> str:
         lines = [f"{self.id}  ({self.layer}, metric)", "", self.title, "", self.doc, ""]
         lines.append(f"Healthy: {self.healthy}")
+        if self.unit == "share":
+            lines.append("Range: a share in [0, 1]")
         lines.append("Computed from:")
         for variant in self.variants:
             cols = ", ".join(f"{variant.table}.{c}" for c in variant.requires)
@@ -162,6 +165,12 @@ def load_all() -> None:
         importlib.import_module(f"rlscope.metrics.{name}")
     for name in LAYER_MODULES:
         importlib.import_module(f"rlscope.rules.{name}")
+
+
+def share_metrics() -> list[str]:
+    """Ids of the metrics whose values are shares in [0, 1]."""
+    load_all()
+    return [m.id for m in METRICS.values() if m.unit == "share"]
 
 
 def lookup(id: str) -> Metric | Rule | None:

@@ -26,19 +26,9 @@ from hypothesis import strategies as st
 import rlscope
 from rlscope.errors import RlscopeError
 from rlscope.reader import MAX_RESPONSE_LEN
+from rlscope.registry import share_metrics
 
-RATES = (
-    "signal.zero_std_frac",
-    "signal.all_correct_frac",
-    "signal.all_wrong_frac",
-    "signal.pass_at_1",
-    "signal.pass_at_k",
-    "signal.effective_prompt_frac",
-    "signal.medium_adv_share",
-    "behavior.truncation_rate",
-    "behavior.tool_cap_frac",
-    "stability.clip_frac",
-)
+RATES = share_metrics()  # every metric declared a share in [0, 1]
 
 KINDS = ("int64", "int32", "float64", "float32", "string", "bool", "list_str", "struct", "null")
 ARROW = {

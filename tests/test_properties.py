@@ -14,19 +14,10 @@ from hypothesis import strategies as st
 
 from rlscope.engine import compute
 from rlscope.reader import open_run
+from rlscope.registry import share_metrics
 from rlscope.writer import RunWriter
 
-RATES = (
-    "signal.zero_std_frac",
-    "signal.all_correct_frac",
-    "signal.all_wrong_frac",
-    "signal.pass_at_1",
-    "signal.pass_at_k",
-    "signal.effective_prompt_frac",
-    "signal.medium_adv_share",
-    "behavior.truncation_rate",
-    "stability.clip_frac",
-)
+RATES = share_metrics()  # every metric declared a share in [0, 1]
 
 
 @st.composite

@@ -44,3 +44,19 @@ def test_finding_is_documented(rule_id: str) -> None:
     text = rule.explain()
     assert "What to try:" in text and rule.id in text
     assert f"`{rule.id}`" in README, "README's findings table lists every id"
+
+
+def test_rates_are_declared_shares() -> None:
+    """The property tests check every share metric stays in [0, 1]; the rates must be among them."""
+    from rlscope.registry import share_metrics
+
+    rates = {
+        "signal.zero_std_frac",
+        "signal.pass_at_1",
+        "signal.pass_at_k",
+        "stability.clip_frac",
+        "behavior.truncation_rate",
+        "behavior.tool_cap_frac",
+        "signal.medium_adv_share",
+    }
+    assert rates <= set(share_metrics())

@@ -215,6 +215,7 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.truncation_rate",
+        unit="share",
         logged_as=("response_length/clip_ratio", "completions/clipped_ratio"),
         layer="L2",
         title="Truncation rate",
@@ -317,6 +318,7 @@ def _cap_frac(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="behavior.tool_cap_frac",
+        unit="share",
         layer="L2",
         title="Share of rollouts at the tool-call cap",
         doc="Share of train rollouts whose n_tool_calls reached run.json max_tool_calls. A "

@@ -67,6 +67,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.zero_std_frac",
+        unit="share",
         logged_as=("frac_reward_zero_std",),
         layer="L3",
         title="Share of zero-σ groups",
@@ -86,6 +87,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.all_correct_frac",
+        unit="share",
         layer="L3",
         title="Share of all-correct groups",
         doc="Share of prompt groups (size >= 2) where every rollout is correct: too easy for the "
@@ -106,6 +108,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.all_wrong_frac",
+        unit="share",
         layer="L3",
         title="Share of all-wrong groups",
         doc="Share of prompt groups (size >= 2) where no rollout is correct: too hard for the "
@@ -184,6 +187,7 @@ def _pass_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="signal.pass_at_1",
+        unit="share",
         layer="L3",
         title="pass@1",
         doc="Mean over the step's prompt groups of the group accuracy c/n (each prompt weighs "
@@ -197,6 +201,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.pass_at_k",
+        unit="share",
         layer="L3",
         title="pass@k (k = group size)",
         doc="Chen et al.'s unbiased estimator pass@k = 1 - C(n-c, k)/C(n, k), computed exactly "
@@ -261,6 +266,7 @@ _EFFECTIVE_DOC = (
 register_metric(
     Metric(
         id="signal.effective_prompt_frac",
+        unit="share",
         layer="L3",
         title="Effective prompt share",
         doc=_EFFECTIVE_DOC,
@@ -325,6 +331,7 @@ _TIERS_DOC = (
 register_metric(
     Metric(
         id="signal.medium_adv_share",
+        unit="share",
         layer="L3",
         title="Advantage mass from medium prompts",
         doc=_TIERS_DOC,

@@ -73,6 +73,7 @@ def _clip_from_ratio(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="stability.clip_frac",
+        unit="share",
         logged_as=("clip_frac", "actor/pg_clipfrac", "clip_ratio/region_mean"),
         layer="L1",
         title="PPO clip fraction",
