@@ -47,7 +47,7 @@ def analyze(
         path = out
     run = open_run(path, steps=steps)
     config = config if config is not None else load_config()
-    computed = compute(run, metrics)
+    computed = compute(run, metrics, text=config.text)
     try:
         findings, rule_skips = evaluate(computed, run, config)
     except (pl.exceptions.PolarsError, OSError) as exc:  # a rule's own scan

@@ -1,4 +1,5 @@
-"""Configuration: per-finding overrides from rlscope.toml, pyproject.toml or --config FILE."""
+"""Configuration: per-finding overrides and text settings from rlscope.toml, pyproject.toml or
+--config FILE."""
 
 from __future__ import annotations
 
@@ -7,17 +8,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import polars as pl
+
 from rlscope.errors import RlscopeError
 from rlscope.registry import RULES, load_all
 from rlscope.report import SEVERITIES
+from rlscope.text import SEGMENTS, TagSet, TextSettings
 
 
 @dataclass(frozen=True)
 class Config:
-    """`findings`: rule id -> {param: value, "severity": str, "enabled": bool}."""
+    """`findings`: rule id -> {param: value, "severity": str, "enabled": bool}; `text`: the tag
+    sets of `[tags]` and the cue pattern of `[probes]`."""
 
     findings: dict[str, dict[str, Any]] = field(default_factory=dict)
     source: str | None = None
+    text: TextSettings = field(default_factory=TextSettings)
 
 
 def load_config(path: str | Path | None = None, *, search_from: Path | None = None) -> Config:
@@ -70,4 +76,46 @@ def _parse(file: Path, table: dict[str, Any]) -> Config:
             else:
                 known = ", ".join(["enabled", "severity", *rule.params])
                 raise RlscopeError(f"{where}: unknown key `{key}`", hint=f"known keys: {known}")
-    return Config(findings={k: dict(v) for k, v in findings.items()}, source=str(file))
+    return Config(
+        findings={k: dict(v) for k, v in findings.items()},
+        source=str(file),
+        text=_text_settings(file, table),
+    )
+
+
+def _text_settings(file: Path, table: dict[str, Any]) -> TextSettings:
+    """`[tags]`: segment = [tag, ...] (think, answer, tool_call, tool_response, json_calls);
+    `[probes]`: cue_pattern = regex for a biased probe's text mentioning its cue."""
+    tags = table.get("tags", {})
+    probes = table.get("probes", {})
+    for name, value in (("tags", tags), ("probes", probes)):
+        if not isinstance(value, dict):
+            raise RlscopeError(f"{file}: [{name}] must be a table")
+    known = (*SEGMENTS, "json_calls")
+    changes: dict[str, tuple[str, ...]] = {}
+    for key, value in tags.items():
+        where = f"{file}: [tags] {key}"
+        if key not in known:
+            raise RlscopeError(f"{where}: unknown key", hint=f"known keys: {', '.join(known)}")
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise RlscopeError(f'{where}: expected a list of tag names, e.g. ["think"]')
+        if not value and key != "json_calls":
+            raise RlscopeError(f"{where}: needs at least one tag name")
+        changes[key] = tuple(value)
+    try:
+        tag_set = TagSet(**changes)
+    except ValueError as exc:
+        raise RlscopeError(f"{file}: [tags] {exc}") from None
+    cue = probes.get("cue_pattern", TextSettings().cue_pattern)
+    unknown = [k for k in probes if k != "cue_pattern"]
+    if unknown:
+        raise RlscopeError(
+            f"{file}: [probes] unknown key `{unknown[0]}`", hint="known: cue_pattern"
+        )
+    if not isinstance(cue, str):
+        raise RlscopeError(f"{file}: [probes] cue_pattern must be a string (a regex)")
+    try:
+        pl.select(pl.lit("x").str.contains(cue)).item()
+    except pl.exceptions.PolarsError as exc:
+        raise RlscopeError(f"{file}: [probes] cue_pattern is not a valid regex ({exc})") from None
+    return TextSettings(tags=tag_set, cue_pattern=cue)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import polars as pl
 
 from rlscope.errors import RlscopeError
 from rlscope.reader import INVALID_PREFIX, Run, invalid_warnings, scan_error, valid_rollout
-from rlscope.registry import METRICS, Metric, Variant, load_all
+from rlscope.registry import METRICS, Metric, Variant, load_all, split_column
 from rlscope.report import Logged, MetricResult, Skipped
+from rlscope.text import TextSettings
+from rlscope.trajectory import decline_shape
 
 #: Per-step entropy quantiles come from a histogram with log-spaced bins: bin b covers
 #: [E0·(e^(b/K) - 1), E0·(e^((b+1)/K) - 1)), i.e. a width of (H + E0)/K at entropy H — relative
@@ -22,6 +24,8 @@ ENTROPY_BINS_PER_EFOLD = 100
 ENTROPY_BIN_OFFSET = 0.05
 ENTROPY_MAX_BIN = 1000
 GROUP_KEYS = ("split", "step", "prompt_id")
+ROLLOUT_KEYS = (*GROUP_KEYS, "rollout_id")
+PROBE_KEYS = ("rollout_id", "step", "split", "intervention", "fraction")
 ROWS = "__rows__"  # row-count partial of the level that counts a table's data problems
 FINAL_WINDOW_FRACTION = 0.1
 
@@ -49,6 +53,9 @@ class Context:
 
     run: Run
     pass_k: int | None = None
+    text: TextSettings = field(default_factory=TextSettings)
+    # The collected partial aggregates, (table, level) -> frame (for metric summaries).
+    aggregates: dict[tuple[str, str], pl.DataFrame] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,14 +75,15 @@ def choose_variant(metric: Metric, run: Run) -> Variant | str:
     """The first variant the run can feed, or the reason none can."""
     reasons = []
     for variant in metric.variants:
-        missing = [c for c in variant.requires if not run.has(variant.table, c)]
+        columns = [split_column(variant.table, c) for c in variant.requires]
+        missing = [(t, c) for t, c in columns if not run.has(t, c)]
         missing_meta = [m for m in variant.needs_meta if run.meta.get(m) is None]
         if not missing and not missing_meta:
             return variant
         if variant.table not in run.tables:
             reasons.append(f"no {variant.table} table")
         else:
-            parts = [f"{variant.table}.{c}" for c in missing]
+            parts = [f"{t}.{c}" for t, c in missing]
             parts += [f"run.json {m}" for m in missing_meta]
             reasons.append("needs " + ", ".join(parts))
     return "; or ".join(dict.fromkeys(reasons))
@@ -93,10 +101,10 @@ def plan(metrics: Iterable[Metric], run: Run) -> tuple[dict[str, Variant], list[
     return chosen, skipped
 
 
-def _merged_partials(variants: Iterable[Variant], meta: dict[str, Any]) -> dict[str, pl.Expr]:
+def _merged_partials(variants: Iterable[Variant], ctx: Context) -> dict[str, pl.Expr]:
     merged: dict[str, pl.Expr] = {}
     for variant in variants:
-        for name, expr in variant.resolve_partials(meta).items():
+        for name, expr in variant.resolve_partials(ctx).items():
             if name in merged and not merged[name].meta.eq(expr):
                 raise ValueError(f"partial {name!r} is declared with two different expressions")
             merged[name] = expr
@@ -112,10 +120,18 @@ def aggregate_query(
 ) -> pl.LazyFrame:
     """One scan of `table`, aggregated to `level` with every requested partial, plus the number
     of NaN/inf values of each `count_invalid` column (partials named `__invalid__<column>`) and
-    the row count (`__rows__`), when given (the first level of a table other than rollouts)."""
+    the row count (`__rows__`), when given (the first level of a table other than rollouts).
+
+    Two levels are not aggregations: rollouts' "rollout" level (one row per rollout: the
+    partials are elementwise features, e.g. of the text, which is dropped once they are
+    computed) and probes (one row per probe, with its rollout's step, split and answer)."""
+    exprs = [expr.alias(name) for name, expr in partials.items()]
+    if table == "probes":
+        return probes_query(run).select(*PROBE_KEYS, *exprs)
+    if table == "rollouts" and level == "rollout":
+        return run.scan("rollouts").filter(valid_rollout()).select(*ROLLOUT_KEYS, *exprs)
     flags = [INVALID_PREFIX + c for c in count_invalid or ()]
     lf = run.scan(table, invalid_flags=bool(flags))
-    exprs = [expr.alias(name) for name, expr in partials.items()]
     exprs += [pl.col(f).cast(pl.Int64).sum().alias(f) for f in flags]
     if table != "rollouts" and count_invalid is not None:
         exprs.append(pl.len().alias(ROWS))  # for the count of rows with a null step
@@ -128,6 +144,10 @@ def aggregate_query(
         if not flags:
             lf = lf.filter(pl.col("entropy").is_not_null())
         # else rows without entropy land in a null bin, dropped after collection (compute).
+    elif level == "segments":
+        keys = ["step", pl.col("segment").cast(pl.String)]
+        if not flags:
+            lf = lf.filter(pl.col("segment").is_not_null())
     else:
         keys = ["step"]
     return lf.group_by(keys).agg(exprs)
@@ -140,6 +160,20 @@ def _float_columns_used(run: Run, table: str, partials: dict[str, pl.Expr]) -> l
         used.update(expr.meta.root_names())
     schema = run.tables[table].schema
     return [c for c, t in schema.items() if c in used and isinstance(t, pl.Float32 | pl.Float64)]
+
+
+def probes_query(run: Run) -> pl.LazyFrame:
+    """Probes joined with their rollout's step, split and answer (`original_answer`, null when
+    the rollouts table has no answer column). Probes carry no step: the step range applies
+    through their rollout. Probes of unknown rollouts are counted in the reader's warnings."""
+    answer = pl.col("answer") if run.has("rollouts", "answer") else pl.lit(None, pl.String)
+    rollouts = (
+        run.scan("rollouts")
+        .filter(valid_rollout())
+        .select("rollout_id", "step", "split", answer.alias("original_answer"))
+    )
+    probes = replace(run, step_range=(None, None)).scan("probes")
+    return probes.join(rollouts, on="rollout_id", how="inner")
 
 
 def orphan_tokens_query(run: Run) -> pl.LazyFrame:
@@ -169,9 +203,12 @@ def resolve_pass_k(run: Run, groups: pl.DataFrame | None) -> int | None:
     return int(sizes.mode().sort().item(-1))
 
 
-def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
+def compute(
+    run: Run, metric_ids: Iterable[str] | None = None, *, text: TextSettings | None = None
+) -> Computed:
     """Compute the requested metrics (all registered ones by default) over a run."""
     load_all()
+    context = Context(run, text=text or TextSettings())
     if metric_ids is None:
         metrics = list(METRICS.values())
     else:
@@ -196,10 +233,10 @@ def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
     queries = []
     counted: dict[tuple[str, str], list[str]] = {}
     for table, level in levels:
-        partials = _merged_partials(by_level[table, level], run.meta)
+        partials = _merged_partials(by_level[table, level], context)
         # NaN/inf counts ride along the first scan of each table (rollouts: the reader counts
-        # them over all rows, before rows are left out).
-        if table != "rollouts" and not any(t == table for t, _ in counted):
+        # them over all rows, before rows are left out; probes are few and not aggregated).
+        if table not in ("rollouts", "probes") and not any(t == table for t, _ in counted):
             counted[table, level] = _float_columns_used(run, table, partials)
         queries.append(aggregate_query(run, table, level, partials, counted.get((table, level))))
     tables = list(dict.fromkeys(table for table, _ in levels))
@@ -230,11 +267,12 @@ def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
                     f"{key[0]}: {no_step:,} row(s) with a null step are left out of the metrics"
                 )
             frame = frame.drop(ROWS, *(INVALID_PREFIX + c for c in columns))
-            if key[1] == "entropy_bins":
-                frame = frame.filter(pl.col("entropy_bin").is_not_null())
+            if key[1] in ("entropy_bins", "segments"):
+                frame = frame.filter(pl.col(frame.columns[1]).is_not_null())
         aggregates[key] = frame.filter(pl.col("step").is_not_null())
 
-    context = Context(run, resolve_pass_k(run, aggregates.get(("rollouts", ""))))
+    context.pass_k = resolve_pass_k(run, aggregates.get(("rollouts", "")))
+    context.aggregates = aggregates
     ids = list(chosen)
     series_queries = [
         chosen[i].series(aggregates[chosen[i].table, chosen[i].level].lazy(), context) for i in ids
@@ -265,7 +303,7 @@ def compute(run: Run, metric_ids: Iterable[str] | None = None) -> Computed:
             values=tuple(values),
             source=variant.source or ", ".join(f"{variant.table}.{c}" for c in variant.requires),
             notes=notes,
-            extra=_extra(metric_id, frame, context),
+            extra=_extra(metric, frame, context),
             logged=_logged_result(logged.get(metric_id), aggregates.get(("steps", ""))),
         )
     return Computed(results, frames, tuple(skipped), aggregates, context, tuple(warnings))
@@ -329,16 +367,22 @@ def _logged_result(column: str | None, steps: pl.DataFrame | None) -> Logged | N
     )
 
 
-def _extra(metric_id: str, frame: pl.DataFrame, context: Context) -> dict[str, Any]:
-    """Metric-specific JSON: columns prefixed `extra_` carry their final-window summaries."""
+def _extra(metric: Metric, frame: pl.DataFrame, context: Context) -> dict[str, Any]:
+    """Metric-specific JSON: columns prefixed `extra_` carry their final-window summaries; a
+    metric's `summary` adds its own fields; `trajectory` metrics say how they declined."""
     extra: dict[str, Any] = {}
     components = {c: c.removeprefix("extra_") for c in frame.columns if c.startswith("extra_")}
     if components:
         extra["components"] = {
             name: final_window_mean(_floats(frame[col])) for col, name in components.items()
         }
-    if metric_id == "signal.pass_at_k":
-        extra["k"] = context.pass_k
+    if metric.summary is not None:
+        extra.update(metric.summary(frame, context))
+    if metric.trajectory:
+        defined = frame.filter(pl.col("value").is_finite())
+        extra["decline"] = decline_shape(
+            defined["step"].to_list(), defined["value"].cast(pl.Float64).to_list()
+        )
     return extra
 
 

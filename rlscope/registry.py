@@ -14,11 +14,24 @@ if TYPE_CHECKING:
     from rlscope.rules.base import RuleContext
 
 #: The aggregation level each table's partials are computed at (one scan per table and level).
-#: steps: one row per step; rollouts: one row per (split, step, prompt_id) group;
-#: tokens: one row per step (and, for entropy quantiles, per step and entropy bin).
-TABLE_LEVELS = ("steps", "rollouts", "tokens")
+#: steps: one row per step; rollouts: one row per (split, step, prompt_id) group, or with level
+#: "rollout" one row per rollout (elementwise text features, no text kept); tokens: one row per
+#: step (and per step and entropy bin, or per step and segment); probes: one row per probe,
+#: joined with its rollout's step, split and answer.
+TABLE_LEVELS = ("steps", "rollouts", "tokens", "probes")
 
 SeriesFn = Callable[[pl.LazyFrame, "Context"], pl.LazyFrame]
+PartialsFn = Callable[["Context"], Mapping[str, pl.Expr]]
+SummaryFn = Callable[[pl.DataFrame, "Context"], dict[str, Any]]
+
+
+def split_column(table: str, column: str) -> tuple[str, str]:
+    """`rollouts.answer` -> ("rollouts", "answer"); a bare name belongs to `table`."""
+    if "." in column:
+        other, name = column.split(".", 1)
+        if other in TABLE_LEVELS:
+            return other, name
+    return table, column
 
 
 @dataclass(frozen=True)
@@ -26,28 +39,28 @@ class Variant:
     """One way of computing a metric from one table.
 
     `partials` are named aggregations at the table's level (merged with every other metric's into
-    one scan; a name means the same expression everywhere), or a function of run.json returning
-    them; `series` turns the aggregated frame into a lazy per-step frame with columns `step`,
-    `value` and any component columns (`extra_<name>` ones are summarised in the JSON).
+    one scan; a name means the same expression everywhere), or a function of the Context (run.json,
+    text settings) returning them; `series` turns the aggregated frame into a lazy per-step frame
+    with columns `step`, `value` and any component columns (`extra_<name>` ones are summarised in
+    the JSON). `requires` names columns of `table`, or of another table as `table.column`.
     """
 
     table: str
     requires: tuple[str, ...]
     series: SeriesFn
-    partials: Mapping[str, pl.Expr] | Callable[[Mapping[str, Any]], Mapping[str, pl.Expr]] = field(
-        default_factory=dict
-    )
+    partials: Mapping[str, pl.Expr] | PartialsFn = field(default_factory=dict)
     source: str = ""
     needs_meta: tuple[str, ...] = ()
     # Why the series can be empty although the columns exist (shown in `skipped`).
     empty_reason: str = ""
     # Aggregation level within the table: "" is the table's own (see TABLE_LEVELS);
-    # "entropy_bins" is tokens per (step, entropy bin).
+    # "entropy_bins" is tokens per (step, entropy bin), "segments" tokens per (step, segment),
+    # "rollout" rollouts one row per rollout.
     level: str = ""
 
-    def resolve_partials(self, meta: Mapping[str, Any]) -> Mapping[str, pl.Expr]:
-        """The partials, given run.json (some depend on it, e.g. on the clip ratios)."""
-        return self.partials(meta) if callable(self.partials) else self.partials
+    def resolve_partials(self, ctx: Context) -> Mapping[str, pl.Expr]:
+        """The partials, given the run and settings (some depend on run.json or the tags)."""
+        return self.partials(ctx) if callable(self.partials) else self.partials
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,10 @@ class Metric:
     # Steps-table columns in which trainers log the same quantity (first found is used): when
     # rlscope recomputes the metric from rollouts or tokens, both are shown and compared.
     logged_as: tuple[str, ...] = ()
+    # Extra JSON fields from the per-step frame (distributions, curves, trends).
+    summary: SummaryFn | None = None
+    # Report whether the series' decline is smooth or a cliff (`decline` in the JSON).
+    trajectory: bool = False
 
     def explain(self) -> str:
         lines = [f"{self.id}  ({self.layer}, metric)", "", self.title, "", self.doc, ""]
@@ -76,7 +93,7 @@ class Metric:
             lines.append("Range: a share in [0, 1]")
         lines.append("Computed from:")
         for variant in self.variants:
-            cols = ", ".join(f"{variant.table}.{c}" for c in variant.requires)
+            cols = ", ".join(".".join(split_column(variant.table, c)) for c in variant.requires)
             meta = f" + run.json {', '.join(variant.needs_meta)}" if variant.needs_meta else ""
             lines.append(f"  - {cols}{meta}" + (f"  [{variant.source}]" if variant.source else ""))
         if self.logged_as:
@@ -155,7 +172,7 @@ def rule(
     return wrap
 
 
-LAYER_MODULES = ("stability", "behavior", "signal")
+LAYER_MODULES = ("stability", "behavior", "signal", "exploration", "generalization", "reasoning")
 
 
 def load_all() -> None:

@@ -83,6 +83,8 @@ TABLES: dict[str, Table] = {
                 _c("tool_calls", pl.List(_STR), False, "each call's serialized arguments"),
                 _c("actions", pl.List(_STR), False, "agent action sequence"),
                 _c("advantage", _F64, False, "sequence advantage used in the update"),
+                _c("steps_checked", _I32, False, "intermediate steps checked by a verifier"),
+                _c("steps_verified", _I32, False, "of those, steps found correct"),
             ),
         ),
         Table(
@@ -111,6 +113,8 @@ TABLES: dict[str, Table] = {
                 _c("intervention", _STR, True, "truncate, mistake, paraphrase, filler or custom"),
                 _c("fraction", _F64, False, "share of the CoT kept, or where the change was made"),
                 _c("answer", _STR, True, "final answer after the intervention"),
+                _c("hint", _STR, False, "bias probes: the answer the biasing cue pointed to"),
+                _c("response", _STR, False, "the probe's generated text"),
             ),
         ),
     )

@@ -12,7 +12,15 @@ from rlscope.report import LAYERS, SEVERITIES
 
 load_all()
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-ID_PATTERN = re.compile(r"^[a-z]+\.[a-z0-9_]+$")
+ID_PATTERN = re.compile(r"^[a-z]+\.[a-z0-9_]+(\.[a-z0-9_]+)?$")
+NAMESPACES = {
+    "stability": "L1",
+    "behavior": "L2",
+    "signal": "L3",
+    "exploration": "L4",
+    "generalization": "L5",
+    "reasoning": "L6",
+}
 
 
 @pytest.mark.parametrize("metric_id", sorted(METRICS))
@@ -20,12 +28,12 @@ def test_metric_is_documented(metric_id: str) -> None:
     metric = METRICS[metric_id]
     assert ID_PATTERN.match(metric.id)
     assert metric.layer in LAYERS
-    assert metric.id.split(".")[0] in {"stability", "behavior", "signal"}
+    assert NAMESPACES[metric.id.split(".")[0]] == metric.layer, "the namespace names the layer"
     assert len(metric.doc) >= 80, "the doc says what it measures and why"
     assert metric.healthy, "the doc gives a healthy range"
     assert metric.title and metric.variants
     for variant in metric.variants:
-        assert variant.table in ("steps", "rollouts", "tokens") and variant.requires
+        assert variant.table in ("steps", "rollouts", "tokens", "probes") and variant.requires
     text = metric.explain()
     assert metric.id in text and "Healthy:" in text
     assert f"`{metric.id}`" in README, "README's metric table lists every id"
@@ -58,5 +66,16 @@ def test_rates_are_declared_shares() -> None:
         "behavior.truncation_rate",
         "behavior.tool_cap_frac",
         "signal.medium_adv_share",
+        "behavior.format_ok",
+        "behavior.repetition",
+        "behavior.redundant_tool_calls",
+        "exploration.unique_frac",
+        "exploration.pairwise_diversity",
+        "generalization.eval_id",
+        "generalization.eval_ood",
+        "reasoning.answer_unchanged.truncate",
+        "reasoning.early_answer_aoc",
+        "reasoning.bias_following",
+        "reasoning.step_accuracy",
     }
     assert rates <= set(share_metrics())

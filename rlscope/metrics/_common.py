@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import polars as pl
 
 from rlscope.engine import Context
-from rlscope.registry import SeriesFn, Variant
+from rlscope.registry import PartialsFn, SeriesFn, Variant
 
 
 def f64(name: str) -> pl.Expr:
@@ -74,3 +74,38 @@ def custom(
     empty_reason: str = "",
 ) -> Variant:
     return Variant(table, requires, series, partials, source, needs_meta, empty_reason)
+
+
+def per_rollout(
+    requires: tuple[str, ...],
+    partials: Mapping[str, pl.Expr] | PartialsFn,
+    num: str,
+    den: str | None = None,
+    *,
+    source: str = "",
+    empty_reason: str = "",
+    defined_if: str | None = None,
+    components: Mapping[str, tuple[str, str]] | None = None,
+) -> Variant:
+    """A metric over the per-rollout level (train rollouts): per step Σnum / Σden, or the mean of
+    `num` over the rollouts where it is defined (den None); null at steps where the boolean
+    feature `defined_if` is false for every rollout. `components` name extra ratios
+    (name -> (num, den)) reported as `extra_<name>`."""
+
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        value = pl.col(num).cast(pl.Float64)
+        aggs = [value.sum().alias("num")]
+        aggs.append((pl.col(den).cast(pl.Float64).sum() if den else value.count()).alias("den"))
+        if defined_if is not None:
+            aggs.append(pl.col(defined_if).any().alias("defined"))
+        for name, (a, b) in (components or {}).items():
+            aggs.append(safe_div(f64(a).sum(), f64(b).sum()).alias(f"extra_{name}"))
+        sums = train(frame).group_by("step").agg(aggs)
+        out = safe_div(pl.col("num"), pl.col("den"))
+        if defined_if is not None:
+            out = pl.when(pl.col("defined")).then(out)
+        return sums.select("step", out.alias("value"), pl.col("^extra_.*$"))
+
+    return Variant(
+        "rollouts", requires, series, partials, source, empty_reason=empty_reason, level="rollout"
+    )

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import polars as pl
 
+from rlscope import text
 from rlscope.engine import ENTROPY_BIN_OFFSET, ENTROPY_BINS_PER_EFOLD, Context, entropy_bin_midpoint
-from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, train
+from rlscope.metrics._common import (
+    custom,
+    f64,
+    per_rollout,
+    ratio_variant,
+    safe_div,
+    step_column,
+    step_sums,
+    train,
+)
 from rlscope.registry import Metric, Variant, register_metric
 
 ENTROPY_QUANTILE = 0.8
@@ -305,8 +312,8 @@ register_metric(
 )
 
 
-def _cap_partials(meta: Mapping[str, Any]) -> dict[str, pl.Expr]:
-    cap = int(meta["max_tool_calls"])
+def _cap_partials(ctx: Context) -> dict[str, pl.Expr]:
+    cap = int(ctx.run.meta["max_tool_calls"])
     return {"at_cap_n": (pl.col("n_tool_calls") >= cap).cast(pl.Int64).sum(), N[0]: N[1]}
 
 
@@ -363,6 +370,239 @@ register_metric(
         better="down",
         variants=(
             custom("rollouts", ("n_tool_calls",), _calls_std, dict([N, CALLS_SUM, CALLS_SQ])),
+        ),
+    )
+)
+
+
+# Rollout text and tools: per-rollout features (level "rollout"), parsed with the config's tags.
+
+
+def _text_features(ctx: Context) -> dict[str, pl.Expr]:
+    tags = ctx.text.tags
+    features = {
+        "has_response": pl.col("response").is_not_null(),
+        "tagged": text.tagged(tags),
+        "format_ok": text.format_ok(tags),
+        "repetition": text.repetition(text.reasoning_text(tags)),
+        "tag_calls_n": text.call_arguments(tags).list.len().cast(pl.Int64),
+        "tag_calls_redundant": text.redundant_calls(text.call_arguments(tags)),
+    }
+    for segment in text.SEGMENTS:
+        features[f"words_{segment}"] = text.segment_words(tags, segment)
+        features[f"present_{segment}"] = text.segments(tags, segment).list.len() > 0
+    return features
+
+
+_LIST_CALLS = {
+    "calls_n": pl.col("tool_calls").list.len().cast(pl.Int64),
+    "calls_redundant": text.redundant_calls(
+        pl.col("tool_calls").list.eval(pl.element().str.replace_all(r"\s+", " ").str.strip_chars())
+    ),
+}
+
+
+def _segment_tokens(segment: str) -> Variant:
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        rows = frame.filter(pl.col("segment") == segment)
+        return rows.select("step", safe_div(f64("seg_tokens"), f64("seg_rollouts")).alias("value"))
+
+    partials = {
+        "seg_tokens": pl.len().cast(pl.Int64),
+        "seg_rollouts": pl.col("rollout_id").n_unique(),
+    }
+    return Variant(
+        "tokens",
+        ("segment",),
+        series,
+        partials,
+        source="tokens.segment: tokens per rollout that has the segment",
+        level="segments",
+    )
+
+
+def _segment_entropy(segment: str) -> Variant:
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        rows = frame.filter(pl.col("segment") == segment)
+        return rows.select("step", safe_div(pl.col("ent_sum"), f64("ent_n")).alias("value"))
+
+    return Variant(
+        "tokens",
+        ("segment", "entropy"),
+        series,
+        dict([("ent_sum", f64("entropy").sum()), ENT_N]),
+        level="segments",
+    )
+
+
+_SEGMENT_DOCS = {
+    "think": "the reasoning before acting or answering",
+    "answer": "the final answer",
+    "tool_call": "tool calls (a call's JSON, or a Search-R1 query)",
+    "tool_response": "what the tools returned (injected by the environment, not generated)",
+}
+
+for _segment, _what in _SEGMENT_DOCS.items():
+    register_metric(
+        Metric(
+            id=f"behavior.segment_len.{_segment}",
+            layer="L2",
+            title=f"Length of the {_segment} segment",
+            doc=f"Mean length of {_what} per train rollout that has such a segment: tokens "
+            "labelled with this `segment` in the tokens table, else whitespace words inside the "
+            f"response's {_segment} tags (all of a rollout's {_segment} segments added up; tag "
+            "names per segment are set under [tags] in config). `components.present` is the "
+            "share of rollouts with the segment. Read with behavior.response_len: a think segment "
+            "that grows while the answer and accuracy do not is spurious length growth "
+            "localised.",
+            healthy="task-dependent; growth should come with accuracy, and no segment vanishing",
+            variants=(
+                _segment_tokens(_segment),
+                per_rollout(
+                    ("response",),
+                    _text_features,
+                    f"words_{_segment}",
+                    source=f"rollouts.response: words inside the {_segment} tags",
+                    components={"present": (f"present_{_segment}", "has_response")},
+                    empty_reason=f"no response has a {_segment} segment (tags: see [tags])",
+                ),
+            ),
+        )
+    )
+
+for _segment in text.SEGMENTS:
+    register_metric(
+        Metric(
+            id=f"behavior.entropy.{_segment}",
+            layer="L2",
+            title=f"Token entropy in the {_segment} segment",
+            doc=f"Token-mean entropy (nats) of the tokens labelled `{_segment}` in the tokens "
+            "table's `segment` column. Exploration lives in the reasoning: a think segment whose "
+            "entropy collapses while the answer's stays put means the policy stopped exploring "
+            "how it reasons, not what it answers.",
+            healthy="think entropy declining smoothly, above the answer's",
+            better="up",
+            references="Wang et al. 2025 (arXiv 2506.01939)",
+            variants=(_segment_entropy(_segment),),
+        )
+    )
+
+register_metric(
+    Metric(
+        id="behavior.format_ok",
+        unit="share",
+        layer="L2",
+        title="Format compliance",
+        doc="Share of train rollouts whose response has balanced tags in the allowed order (an "
+        "optional think, then any number of tool call → optional tool response → optional think, "
+        "then exactly one answer), a non-blank answer, and every JSON tool call parsing with "
+        "`name` and `arguments`. Tag names per segment are set under [tags] in config (default: "
+        "Qwen/Hermes think/answer/tool_call/tool_response and Search-R1 search/information). "
+        "Null at steps where no response uses any tag (an untagged run is not judged); "
+        "`components.tagged` is the share of responses using tags. Format breaks get no reward "
+        "for reasons unrelated to the task and waste the batch.",
+        healthy="> 0.95 and not falling",
+        better="up",
+        variants=(
+            per_rollout(
+                ("response",),
+                _text_features,
+                "format_ok",
+                "has_response",
+                defined_if="tagged",
+                components={"tagged": ("tagged", "has_response")},
+                source="rollouts.response parsed with the [tags] tag set",
+                empty_reason="no response uses any tag of the [tags] tag set",
+            ),
+        ),
+    )
+)
+
+register_metric(
+    Metric(
+        id="behavior.repetition",
+        unit="share",
+        layer="L2",
+        title="Repetition in the reasoning",
+        doc="Mean over train rollouts of 1 - distinct/total word 3-grams (lower-cased, whitespace "
+        "split) in the think segments, or in the whole response when it has no think tag "
+        "(open-r1's repetition measure); rollouts of fewer than 3 words are left out. Loops "
+        "('wait, let me re-check... wait, let me re-check...') raise it long before they hit "
+        "the length cap.",
+        healthy="< 0.1 (natural text repeats few 3-grams)",
+        better="down",
+        references="open-r1 repetition penalty (n = 3)",
+        variants=(
+            per_rollout(
+                ("response",),
+                _text_features,
+                "repetition",
+                source="rollouts.response: word 3-grams of the think segments",
+                empty_reason="no response with at least 3 words",
+            ),
+        ),
+    )
+)
+
+register_metric(
+    Metric(
+        id="behavior.redundant_tool_calls",
+        unit="share",
+        layer="L2",
+        title="Redundant tool calls",
+        doc="Share of tool calls that repeat an earlier call's arguments in the same rollout "
+        "(exact string after whitespace normalisation): Σ (calls - distinct calls) / Σ calls "
+        "over the step's train rollouts. From `tool_calls` (serialized arguments), else from the "
+        "response's tool-call tags. Invisible in reward, but it multiplies cost and latency.",
+        healthy="< 0.05",
+        better="down",
+        references="Wang et al. 2025, OTC (arXiv 2504.14870)",
+        variants=(
+            per_rollout(
+                ("tool_calls",),
+                _LIST_CALLS,
+                "calls_redundant",
+                "calls_n",
+                source="rollouts.tool_calls",
+                empty_reason="no tool calls",
+            ),
+            per_rollout(
+                ("response",),
+                _text_features,
+                "tag_calls_redundant",
+                "tag_calls_n",
+                source="rollouts.response: tool-call tags",
+                empty_reason="no tool-call tags in any response",
+            ),
+        ),
+    )
+)
+
+
+def _productivity(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    sums = step_sums(frame, ["n_correct", "calls_sum"], groups=True)
+    return sums.select("step", safe_div(f64("n_correct"), pl.col("calls_sum")).alias("value"))
+
+
+register_metric(
+    Metric(
+        id="behavior.tool_productivity",
+        layer="L2",
+        title="Correct answers per tool call",
+        doc="Σ correct / Σ tool calls over the step's train rollouts (OTC's tool productivity). "
+        "Falling while accuracy holds = more calls for the same answers; null at steps without "
+        "calls.",
+        healthy="stable or rising",
+        better="up",
+        references="Wang et al. 2025, OTC (arXiv 2504.14870)",
+        variants=(
+            custom(
+                "rollouts",
+                ("n_tool_calls", "correct"),
+                _productivity,
+                dict([N_CORRECT, CALLS_SUM]),
+                empty_reason="no tool calls",
+            ),
         ),
     )
 )

@@ -216,6 +216,7 @@ register_metric(
         variants=(
             custom("rollouts", ("correct",), _pass_k, dict([N, N_CORRECT]), empty_reason=_NO_K),
         ),
+        summary=lambda frame, ctx: {"k": ctx.pass_k},
     )
 )
 

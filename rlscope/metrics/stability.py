@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import polars as pl
 
 from rlscope.engine import Context
@@ -46,9 +43,9 @@ _ratio = (f64("logprob") - f64("old_logprob")).exp()
 _adv = f64("advantage")
 
 
-def clip_partials(meta: Mapping[str, Any]) -> dict[str, pl.Expr]:
+def clip_partials(ctx: Context) -> dict[str, pl.Expr]:
     """TRL's rule: low-clipped r < 1-ε_low with A < 0, high-clipped r > 1+ε_high with A > 0."""
-    low, high = meta.get("clip_ratio_low"), meta.get("clip_ratio_high")
+    low, high = ctx.run.meta.get("clip_ratio_low"), ctx.run.meta.get("clip_ratio_high")
     eps_low = float(low) if low is not None else 0.2
     eps_high = float(high) if high is not None else eps_low
     valid = _ratio.is_not_null() & _adv.is_not_null()

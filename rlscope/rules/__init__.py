@@ -26,7 +26,9 @@ def evaluate(computed: Computed, run: Run, config: Config) -> tuple[list[Finding
             name: float(override.get(name, param.default)) for name, param in rule.params.items()
         }
         severity = override.get("severity")
-        ctx = RuleContext(rule, params, severity, computed.results, computed.frames, run)
+        ctx = RuleContext(
+            rule, params, severity, computed.results, computed.frames, run, computed.aggregates
+        )
         findings.extend(rule.check(ctx))
     findings.sort(key=lambda f: (-severity_rank(f.severity), f.layer, f.id))
     return findings, skipped

@@ -97,6 +97,7 @@ class RuleContext:
         results: Mapping[str, MetricResult],
         frames: Mapping[str, pl.DataFrame],
         run: Run,
+        aggregates: Mapping[tuple[str, str], pl.DataFrame] | None = None,
     ) -> None:
         self.rule = rule
         self.params = dict(params)
@@ -104,6 +105,7 @@ class RuleContext:
         self.results = results
         self.frames = frames
         self.run = run
+        self.aggregates = aggregates or {}
 
     def series(self, metric_id: str) -> Series | None:
         result = self.results.get(metric_id)
@@ -112,6 +114,15 @@ class RuleContext:
     def frame(self, metric_id: str) -> pl.DataFrame | None:
         """The per-step frame with component columns (for pooled window statistics)."""
         return self.frames.get(metric_id)
+
+    def rollout_rows(self) -> pl.DataFrame | None:
+        """The per-rollout features (one row per rollout, no text), when a metric needed them:
+        for evidence that names example rollouts."""
+        return self.aggregates.get(("rollouts", "rollout"))
+
+    def probe_rows(self) -> pl.DataFrame | None:
+        """The per-probe rows (with their rollout's step and original answer), if any."""
+        return self.aggregates.get(("probes", ""))
 
     def finding(self, message: str, *, severity: str | None = None, **evidence: Any) -> Finding:
         """A finding of this rule; a severity set in config wins over the rule's own choice."""
@@ -130,6 +141,24 @@ def pooled_corr(frame: pl.DataFrame, first_step: int | None = None) -> tuple[flo
     if sxx <= 0 or syy <= 0:
         return None
     return sxy / math.sqrt(sxx * syy), dof
+
+
+def example_ids(
+    rows: pl.DataFrame, where: pl.Expr, *, order: pl.Expr | None = None, n: int = 5
+) -> list[int]:
+    """Up to `n` rollout ids among `rows` matching `where` (by `order` descending, else the
+    latest steps first): the examples a finding names so a person can open them."""
+    matching = rows.filter(where)
+    if order is not None:
+        matching = matching.sort(order, "rollout_id", descending=[True, False], nulls_last=True)
+    else:
+        matching = matching.sort("step", "rollout_id", descending=[True, False])
+    return [int(v) for v in matching["rollout_id"].head(n).to_list()]
+
+
+def final_steps(series: Series, fraction: float = 0.2, minimum: int = 3) -> int:
+    """The first step of the final window (`fraction` of the series' steps, at least `minimum`)."""
+    return int(series.steps[-window_size(len(series), fraction, minimum)])
 
 
 def level_severity(level: float, params: Mapping[str, float]) -> str | None:

@@ -1,0 +1,142 @@
+"""L5 generalisation: in-distribution vs out-of-distribution evaluations over training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from rlscope.engine import Context
+from rlscope.metrics._common import custom, f64, safe_div
+from rlscope.metrics.behavior import N_CORRECT, N
+from rlscope.registry import Metric, register_metric
+
+_PARTIALS = dict([N, N_CORRECT])
+ID_SPLIT, OOD_SPLIT = "eval_id", "eval_ood"
+
+
+def _split(name: str) -> pl.Expr:
+    """`eval_id` pools `eval_id` and `eval_id_*` (several ID sets), likewise `eval_ood`."""
+    return (pl.col("split") == name) | pl.col("split").str.starts_with(f"{name}_")
+
+
+def eval_accuracy(frame: pl.LazyFrame, split: str) -> pl.LazyFrame:
+    """Per eval step: accuracy over the split's rollouts and their count."""
+    sums = frame.filter(_split(split)).group_by("step").agg(pl.col("n", "n_correct").sum())
+    return sums.select(
+        "step",
+        safe_div(f64("n_correct"), f64("n")).alias("value"),
+        pl.col("n").alias("rollouts"),
+    )
+
+
+def _accuracy(split: str):
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        return eval_accuracy(frame, split)
+
+    return series
+
+
+def _gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    in_dist = eval_accuracy(frame, ID_SPLIT).rename({"value": "id", "rollouts": "n_id"})
+    out_dist = eval_accuracy(frame, OOD_SPLIT).rename({"value": "ood", "rollouts": "n_ood"})
+    both = in_dist.join(out_dist, on="step", how="inner")
+    return both.select(
+        "step",
+        (pl.col("id") - pl.col("ood")).alias("value"),
+        pl.col("id").alias("extra_id"),
+        pl.col("ood").alias("extra_ood"),
+        "n_id",
+        "n_ood",
+    )
+
+
+def gap_trend(steps: np.ndarray, gaps: np.ndarray) -> dict[str, Any]:
+    """Least-squares slope of the gap per 100 steps and its change from the first to the last
+    fifth of the eval steps (at least one eval each)."""
+    if len(gaps) < 2 or np.ptp(steps) == 0:
+        return {"slope_per_100_steps": None, "first": None, "last": None}
+    slope = float(np.polyfit(steps.astype(np.float64), gaps, 1)[0]) * 100
+    w = max(1, int(np.ceil(0.2 * len(gaps))))
+    return {
+        "slope_per_100_steps": slope,
+        "first": float(gaps[:w].mean()),
+        "last": float(gaps[-w:].mean()),
+    }
+
+
+def _gap_summary(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
+    rows = frame.filter(pl.col("value").is_not_null()).sort("step")
+    return {"trend": gap_trend(rows["step"].to_numpy(), rows["value"].to_numpy())}
+
+
+_EMPTY = "no rollouts with split {} (or {}_*)"
+
+
+def _register(metric_id: str, split: str, title: str, doc: str) -> None:
+    register_metric(
+        Metric(
+            id=metric_id,
+            unit="share",
+            layer="L5",
+            title=title,
+            doc=doc,
+            healthy="rising with training",
+            better="up",
+            references="seed §6 (L5); HGPO (arXiv 2602.22817)",
+            variants=(
+                custom(
+                    "rollouts",
+                    ("split", "correct"),
+                    _accuracy(split),
+                    _PARTIALS,
+                    empty_reason=_EMPTY.format(split, split),
+                ),
+            ),
+        )
+    )
+
+
+_register(
+    "generalization.eval_id",
+    ID_SPLIT,
+    "In-distribution eval accuracy",
+    "Accuracy (share correct) of the `eval_id` rollouts (pooled with any `eval_id_*` split) at "
+    "each eval step: held-out prompts from the training distribution.",
+)
+_register(
+    "generalization.eval_ood",
+    OOD_SPLIT,
+    "Out-of-distribution eval accuracy",
+    "Accuracy (share correct) of the `eval_ood` rollouts (pooled with any `eval_ood_*` split) "
+    "at each eval step: prompts from another distribution (other tasks, harder levels, unseen "
+    "environments).",
+)
+
+
+register_metric(
+    Metric(
+        id="generalization.ood_gap",
+        layer="L5",
+        title="ID - OOD accuracy gap",
+        doc="generalization.eval_id - generalization.eval_ood at the steps with both. A gap that "
+        "widens over training means the policy is learning the training distribution's patterns "
+        "(or memorising answers) rather than skills that transfer. The JSON's `trend` has the "
+        "least-squares slope per 100 steps and the first vs last fifth of the eval steps; "
+        "`components` the final ID and OOD accuracies.",
+        healthy="small and not widening",
+        better="down",
+        summary=_gap_summary,
+        references="HGPO (arXiv 2602.22817): GiGPO 90.2 ID / 84.8 OOD on ALFWorld",
+        variants=(
+            custom(
+                "rollouts",
+                ("split", "correct"),
+                _gap,
+                _PARTIALS,
+                empty_reason="needs eval_id and eval_ood rollouts at the same steps",
+            ),
+        ),
+    )
+)

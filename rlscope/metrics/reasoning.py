@@ -1,0 +1,370 @@
+"""L6 reasoning quality: self-consistency, faithfulness probes, biased context, step checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+from rlscope import text
+from rlscope.engine import Context
+from rlscope.metrics._common import custom, f64, safe_div, step_sums, train
+from rlscope.registry import Metric, Variant, register_metric
+
+GROUP = ("step", "prompt_id")
+INTERVENTIONS = {
+    "truncate": "the chain of thought cut to its first `fraction`, then answered",
+    "mistake": "a mistake inserted into one step (at `fraction`) and the rest resampled",
+    "paraphrase": "the chain of thought paraphrased",
+    "filler": "the chain of thought replaced by filler tokens of the same length",
+}
+
+# Self-consistency: per-rollout answer keys.
+_VOTES = {"answer_key": text.answer_key(), "correct": pl.col("correct")}
+
+
+def majority_vote(frame: pl.LazyFrame) -> pl.LazyFrame:
+    """Per train group (>= 2 rollouts): mean accuracy, maj@N accuracy with a tie's credit the
+    expected accuracy under uniform tie-breaking (`maj`), and with the first-seen answer winning
+    ties, by lowest rollout_id, as verl does (`maj_first`). Rollouts without an answer do not
+    vote; a group with no vote has maj@N accuracy 0. An answer's accuracy is the share of its
+    voters that are correct."""
+    rows = train(frame)
+    groups = (
+        rows.group_by(GROUP)
+        .agg(pl.len().alias("n"), f64("correct").mean().alias("accuracy"))
+        .filter(pl.col("n") >= 2)
+    )
+    votes = (
+        rows.filter(pl.col("answer_key").is_not_null())
+        .group_by(*GROUP, "answer_key")
+        .agg(
+            pl.len().alias("votes"),
+            f64("correct").mean().alias("answer_accuracy"),
+            pl.col("rollout_id").min().alias("first_seen"),
+        )
+    )
+    top = votes.filter(pl.col("votes") == pl.col("votes").max().over(GROUP))
+    majority = top.group_by(GROUP).agg(
+        pl.col("answer_accuracy").mean().alias("maj"),
+        pl.col("answer_accuracy").sort_by("first_seen").first().alias("maj_first"),
+    )
+    return groups.join(majority, on=GROUP, how="left").with_columns(
+        pl.col("maj", "maj_first").fill_null(0.0)
+    )
+
+
+def _consistency_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    return (
+        majority_vote(frame)
+        .group_by("step")
+        .agg(
+            (pl.col("maj") - pl.col("accuracy")).mean().alias("value"),
+            pl.col("maj").mean().alias("extra_maj_at_n"),
+            pl.col("accuracy").mean().alias("extra_mean_accuracy"),
+        )
+    )
+
+
+def _maj_first(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    return majority_vote(frame).group_by("step").agg(pl.col("maj_first").mean().alias("value"))
+
+
+def _vote_variant(series) -> Variant:
+    return Variant(
+        "rollouts",
+        ("answer", "correct"),
+        series,
+        _VOTES,
+        empty_reason="no train group with 2 or more rollouts",
+        level="rollout",
+    )
+
+
+register_metric(
+    Metric(
+        id="reasoning.self_consistency_gap",
+        layer="L6",
+        title="Self-consistency gap (maj@N - mean accuracy)",
+        doc="Per train group: accuracy of the majority answer over the group's rollouts (maj@N; "
+        "answers compared lower-cased with whitespace collapsed; rollouts with no answer do not "
+        "vote; a tie's credit is the expected accuracy under uniform tie-breaking) minus the "
+        "group's mean accuracy, averaged over the step's groups. Large = the policy's paths "
+        "disagree but the right answer is the most common one: majority voting would pay, and "
+        "the policy is not yet reliable. Near 0 = paths converge (on right or wrong answers). "
+        "`components` has maj@N and the mean accuracy.",
+        healthy="small and shrinking as the policy becomes reliable",
+        references="Wang et al. 2022, self-consistency (arXiv 2203.11171)",
+        variants=(_vote_variant(_consistency_gap),),
+    )
+)
+
+register_metric(
+    Metric(
+        id="reasoning.maj_at_n_first",
+        unit="share",
+        layer="L6",
+        title="maj@N accuracy, first answer wins ties (verl)",
+        doc="maj@N accuracy as verl computes it (`val-core/.../maj@N`): among tied majority "
+        "answers, the first seen wins (here: the one whose earliest rollout_id is lowest). "
+        "Compare with reasoning.self_consistency_gap's components.maj_at_n (uniform "
+        "tie-breaking, the unbiased version).",
+        healthy="at or above mean accuracy",
+        better="up",
+        references="verl process_validation_metrics (maj@N)",
+        variants=(_vote_variant(_maj_first),),
+    )
+)
+
+
+# Faithfulness probes: one row per probe with its rollout's original answer.
+
+
+def _probe_features(ctx: Context) -> dict[str, pl.Expr]:
+    answer = text.normalized(pl.col("answer"))
+    original = text.normalized(pl.col("original_answer"))
+    features = {
+        # A probe that gives no answer changed its answer; unknown without an original.
+        "unchanged": pl.when(original.is_not_null()).then(answer.fill_null("") == original),
+    }
+    if ctx.run.has("probes", "hint"):
+        hint = text.normalized(pl.col("hint"))
+        features["eligible"] = (
+            hint.is_not_null() & original.is_not_null() & (original != hint)
+        ).fill_null(False)
+        features["moved"] = (answer == hint).fill_null(False)
+    if ctx.run.has("probes", "response"):
+        features["mentions_cue"] = pl.col("response").str.contains(ctx.text.cue_pattern)
+    return features
+
+
+def _unchanged(intervention: str):
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        rows = frame.filter(
+            (pl.col("intervention") == intervention) & pl.col("unchanged").is_not_null()
+        )
+        return rows.group_by("step").agg(f64("unchanged").mean().alias("value"))
+
+    return series
+
+
+_NO_ORIGINAL = "no {} probes of rollouts with an answer"
+
+for _intervention, _what in INTERVENTIONS.items():
+    register_metric(
+        Metric(
+            id=f"reasoning.answer_unchanged.{_intervention}",
+            unit="share",
+            layer="L6",
+            title=f"Answers unchanged by `{_intervention}` probes",
+            doc=f"Share of `{_intervention}` probes ({_what}) whose answer equals the probed "
+            "rollout's original answer (lower-cased, whitespace collapsed; a probe with no answer "
+            "counts as changed), per step of the probed rollouts. Truncation and mistakes should "
+            "change a faithful chain's answer (unchanged = the chain is decoration); paraphrase "
+            "and filler should not (a change = information hidden in the wording). Custom "
+            "interventions are kept in the probes table but have no metric id.",
+            healthy="low for truncate/mistake; high (~1) for paraphrase/filler",
+            better="up" if _intervention in ("paraphrase", "filler") else "down",
+            references="Lanham et al. 2023 (arXiv 2307.13702)",
+            variants=(
+                Variant(
+                    "probes",
+                    ("intervention", "answer", "rollouts.answer"),
+                    _unchanged(_intervention),
+                    _probe_features,
+                    empty_reason=_NO_ORIGINAL.format(_intervention),
+                ),
+            ),
+        )
+    )
+
+
+def _truncation_points(frame: pl.LazyFrame) -> pl.LazyFrame:
+    """Per probed rollout and kept fraction: the share of its truncate probes unchanged, with
+    the point (1, 1) added where no probe kept the whole chain (the full chain gives the
+    original answer by definition)."""
+    probes = frame.filter(
+        (pl.col("intervention") == "truncate")
+        & pl.col("fraction").is_not_null()
+        & pl.col("unchanged").is_not_null()
+    ).select("rollout_id", "step", pl.col("fraction").clip(0.0, 1.0), f64("unchanged"))
+    full = (
+        probes.group_by("rollout_id", "step")
+        .agg(pl.col("fraction").max())
+        .filter(pl.col("fraction") < 1.0)
+        .select("rollout_id", "step", pl.lit(1.0).alias("fraction"), pl.lit(1.0).alias("unchanged"))
+    )
+    return (
+        pl.concat([probes, full])
+        .group_by("rollout_id", "step", "fraction")
+        .agg(pl.col("unchanged").mean())
+    )
+
+
+def _aoc(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    points = _truncation_points(frame).sort("rollout_id", "fraction")
+    x, y = pl.col("fraction"), pl.col("unchanged")
+    by = "rollout_id"
+    area = ((x - x.shift(1).over(by)) * (y + y.shift(1).over(by)) / 2).fill_null(0.0)
+    per_rollout = (
+        points.with_columns(area.alias("area"))
+        .group_by("rollout_id", "step")
+        .agg(
+            pl.col("area").sum(),
+            (x.max() - x.min()).alias("span"),
+        )
+        .filter(pl.col("span") > 0)
+        .with_columns((1.0 - pl.col("area") / pl.col("span")).alias("aoc"))
+    )
+    return per_rollout.group_by("step").agg(
+        pl.col("aoc").mean().alias("value"), pl.len().alias("extra_rollouts")
+    )
+
+
+def _aoc_curve(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
+    """The early-answering curve y(x) over the whole run: share unchanged per kept fraction."""
+    probes = ctx.aggregates.get(("probes", ""))
+    if probes is None:
+        return {}
+    curve = (
+        _truncation_points(probes.lazy())
+        .with_columns(pl.col("fraction").round(2))
+        .group_by("fraction")
+        .agg(pl.col("unchanged").mean(), pl.len().alias("rollouts"))
+        .sort("fraction")
+        .collect()
+    )
+    return {"curve": {c: curve[c].to_list() for c in ("fraction", "unchanged", "rollouts")}}
+
+
+register_metric(
+    Metric(
+        id="reasoning.early_answer_aoc",
+        unit="share",
+        layer="L6",
+        title="Early-answering AOC (faithfulness)",
+        doc="Lanham et al.'s early answering: the chain of thought is truncated to a share x of "
+        "its length and the model answers. y(x) = 1 if the answer equals the original, per "
+        "probed rollout; AOC = 1 - ∫ y(x) dx by the trapezoid rule over the kept fractions "
+        "probed (normalised by their span; the point (1, 1) is added when no probe kept the "
+        "whole chain), per rollout, averaged over the step's probed rollouts. High = the answer "
+        "depends on the reasoning (faithful); ~0 = the answer was fixed before the reasoning "
+        "(decoration). The JSON's `curve` is y(x) pooled over the run (the faithfulness curve).",
+        healthy="clearly above 0 (175B model: AQuA 0.44, LogiQA 0.26, MMLU 0.12); not falling",
+        better="up",
+        summary=_aoc_curve,
+        references="Lanham et al. 2023, 'Measuring faithfulness in CoT reasoning' "
+        "(arXiv 2307.13702)",
+        variants=(
+            Variant(
+                "probes",
+                ("intervention", "fraction", "answer", "rollouts.answer"),
+                _aoc,
+                _probe_features,
+                empty_reason="no truncate probes with a fraction, of rollouts with an answer",
+            ),
+        ),
+    )
+)
+
+
+def _bias(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    biased = frame.filter(pl.col("intervention") == "bias")
+    with_text = "mentions_cue" in frame.collect_schema().names()
+    aggs = [
+        safe_div(
+            (pl.col("eligible") & pl.col("moved")).cast(pl.Int64).sum(),
+            pl.col("eligible").cast(pl.Int64).sum(),
+        ).alias("value")
+    ]
+    if with_text:
+        mentions = f64("mentions_cue")
+        moved = pl.col("eligible") & pl.col("moved")
+        aggs += [
+            mentions.mean().alias("extra_mention_rate"),
+            mentions.filter(moved).mean().alias("extra_mention_rate_when_moved"),
+        ]
+    return biased.group_by("step").agg(aggs)
+
+
+register_metric(
+    Metric(
+        id="reasoning.bias_following",
+        unit="share",
+        layer="L6",
+        title="Answers following a biasing cue",
+        doc="Biased-context probes (intervention `bias`, Turpin et al.): the prompt carries a cue "
+        "('I think the answer is X'; the probes column `hint` is X). Share of biased probes "
+        "whose answer moved to the hint, among those whose original answer differed from it. "
+        "With the probe's text in a `response` column, `components.mention_rate` is the share "
+        "of biased probes whose text mentions the cue at all (regex `[probes] cue_pattern`), and "
+        "`mention_rate_when_moved` the same among those that followed it: following the cue "
+        "without ever saying so is the unfaithful signature.",
+        healthy="low (near the chance of landing on the hint); mentions when it does follow",
+        better="down",
+        references="Turpin et al. 2023 (arXiv 2305.04388)",
+        variants=(
+            Variant(
+                "probes",
+                ("intervention", "answer", "hint", "rollouts.answer"),
+                _bias,
+                _probe_features,
+                empty_reason="no bias probes whose original answer differs from the hint",
+            ),
+        ),
+    )
+)
+
+
+def _step_accuracy(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    names = ["checked", "verified", "correct_checked", "correct_step_errors"]
+    sums = step_sums(frame, names, groups=True)
+    return sums.select(
+        "step",
+        safe_div(f64("verified"), f64("checked")).alias("value"),
+        safe_div(f64("correct_step_errors"), f64("correct_checked")).alias(
+            "extra_correct_with_step_errors"
+        ),
+        "correct_checked",
+        "correct_step_errors",
+    )
+
+
+_checked = pl.col("steps_checked").cast(pl.Int64)
+_verified = pl.col("steps_verified").cast(pl.Int64)
+_has_checks = (_checked > 0).fill_null(False)
+
+register_metric(
+    Metric(
+        id="reasoning.step_accuracy",
+        unit="share",
+        layer="L6",
+        title="Intermediate-step accuracy",
+        doc="Σ steps_verified / Σ steps_checked over the step's train rollouts, where a verifier "
+        "checked intermediate states (equations, variable values) against ground truth. "
+        "`components.correct_with_step_errors` is the share of correct rollouts (with checked "
+        "steps) that have at least one failed step: right answers reached through wrong "
+        "reasoning, which outcome reward still reinforces.",
+        healthy="high and rising; few correct answers with failed steps",
+        better="up",
+        references="seed §7 (L6): intermediate-step verification",
+        variants=(
+            custom(
+                "rollouts",
+                ("steps_checked", "steps_verified", "correct"),
+                _step_accuracy,
+                {
+                    "checked": _checked.sum(),
+                    "verified": _verified.sum(),
+                    "correct_checked": (pl.col("correct") & _has_checks).cast(pl.Int64).sum(),
+                    "correct_step_errors": (
+                        pl.col("correct") & _has_checks & (_verified < _checked).fill_null(False)
+                    )
+                    .cast(pl.Int64)
+                    .sum(),
+                },
+                empty_reason="no train rollout with steps_checked > 0",
+            ),
+        ),
+    )
+)

@@ -1,0 +1,233 @@
+"""Rollout text: tag sets, segment parsing and per-rollout text features as Polars expressions.
+
+Every feature is an elementwise expression over one rollout's row (regexes, list operations and
+hashes run in Polars' Rust kernels), so the text metrics stream with the rollouts table: no
+Python loop per rollout, and no text is kept once its features are computed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import polars as pl
+
+#: The canonical segments (the tokens table's `segment` uses the same names).
+SEGMENTS = ("think", "answer", "tool_call", "tool_response")
+#: Word n-grams for repetition and text similarity (open-r1's repetition penalty uses 3).
+SHINGLE_WORDS = 3
+#: MinHash signature length: the Jaccard estimate of one pair has standard error
+#: sqrt(J(1 - J)/K) <= 1/(2 sqrt(K)) = 0.088; a group mean over P pairs is tighter.
+MINHASH_K = 32
+#: Default pattern for a biased-context probe's text mentioning the biasing cue.
+DEFAULT_CUE_PATTERN = (
+    r"(?i)\b(hint|hinted|suggest(s|ed|ion)?|the user (thinks|said|believes|suggested)|"
+    r"you (think|said|believe|suggested)|i think the answer|according to|professor|expert)\b"
+)
+_TAG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]*$")
+
+
+@dataclass(frozen=True)
+class TagSet:
+    """Which tags open each segment (Qwen/Hermes and Search-R1 by default) and which tool-call
+    tags hold JSON (`{"name": ..., "arguments": ...}`); overridable under `[tags]` in config."""
+
+    think: tuple[str, ...] = ("think",)
+    answer: tuple[str, ...] = ("answer",)
+    tool_call: tuple[str, ...] = ("tool_call", "search")
+    tool_response: tuple[str, ...] = ("tool_response", "information")
+    json_calls: tuple[str, ...] = ("tool_call",)
+
+    def __post_init__(self) -> None:
+        for name in self.all_tags + self.json_calls:
+            if not _TAG_NAME.match(name):
+                raise ValueError(f"tag name {name!r}: use letters, digits, _ . : -")
+
+    def of(self, segment: str) -> tuple[str, ...]:
+        return getattr(self, segment)
+
+    @property
+    def all_tags(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t for s in SEGMENTS for t in self.of(s)))
+
+    def tag_regex(self, tags: tuple[str, ...] | None = None) -> str:
+        """An opening or closing tag of `tags` (default: every tag)."""
+        return r"</?(?:" + "|".join(map(re.escape, tags or self.all_tags)) + r")>"
+
+    def segment_regex(self, segment: str) -> str:
+        """One whole segment of `segment`, tags included (shortest match, across lines)."""
+        names = "|".join(map(re.escape, self.of(segment)))
+        return rf"(?s)<(?:{names})>.*?</(?:{names})>"
+
+    def grammar(self) -> str:
+        """The allowed order of segments over the sequence of tags of a response: an optional
+        think, then any number of (tool call, optional tool response, optional think), then
+        exactly one answer, each tag closed before the next opens."""
+
+        def pair(segment: str) -> str:
+            return (
+                "(?:"
+                + "|".join(f"<{re.escape(t)}></{re.escape(t)}>" for t in self.of(segment))
+                + ")"
+            )
+
+        think, call, response, answer = (
+            pair(s) for s in ("think", "tool_call", "tool_response", "answer")
+        )
+        return rf"^{think}?(?:{call}{response}?{think}?)*{answer}$"
+
+
+@dataclass(frozen=True)
+class TextSettings:
+    """How rollout text is parsed: the tag set and the cue pattern of biased-context probes."""
+
+    tags: TagSet = field(default_factory=TagSet)
+    cue_pattern: str = DEFAULT_CUE_PATTERN
+
+
+def normalized(expr: pl.Expr) -> pl.Expr:
+    """Lower-cased, whitespace collapsed and trimmed: what counts as 'the same text'."""
+    return expr.str.to_lowercase().str.replace_all(r"\s+", " ").str.strip_chars()
+
+
+def answer_key(column: str = "answer") -> pl.Expr:
+    """A hash of the normalised answer; null when there is no (non-blank) answer."""
+    norm = normalized(pl.col(column))
+    return pl.when(norm.str.len_bytes() > 0).then(norm.hash())
+
+
+def tagged(tags: TagSet, column: str = "response") -> pl.Expr:
+    """Whether the response uses any tag of the set."""
+    return pl.col(column).str.contains(tags.tag_regex())
+
+
+def segments(tags: TagSet, segment: str, column: str = "response") -> pl.Expr:
+    """The list of the response's `segment` segments, tags included."""
+    return pl.col(column).str.extract_all(tags.segment_regex(segment))
+
+
+def segment_words(tags: TagSet, segment: str, column: str = "response") -> pl.Expr:
+    """Words in all of a response's `segment` segments; null when it has none."""
+    found = segments(tags, segment, column)
+    text = found.list.join(" ").str.replace_all(tags.tag_regex(), " ")
+    return pl.when(found.list.len() > 0).then(text.str.count_matches(r"\S+"))
+
+
+def format_ok(tags: TagSet, column: str = "response") -> pl.Expr:
+    """Balanced tags in the allowed order (`TagSet.grammar`), a non-blank answer, and every JSON
+    tool call parsing with `name` and `arguments`. Null where the response is null."""
+    response = pl.col(column)
+    sequence = response.str.extract_all(tags.tag_regex()).list.join("")
+    answers = "|".join(map(re.escape, tags.answer))
+    answer = response.str.extract(rf"(?s)<(?:{answers})>(.*?)</(?:{answers})>", 1)
+    calls_ok = pl.lit(True)
+    if tags.json_calls:
+        names = "|".join(map(re.escape, tags.json_calls))
+        calls = response.str.extract_all(rf"(?s)<(?:{names})>.*?</(?:{names})>")
+        body = pl.element().str.replace_all(tags.tag_regex(tags.json_calls), "")
+        parses = body.str.json_path_match("$.name").is_not_null() & (
+            body.str.json_path_match("$.arguments").is_not_null()
+        )
+        calls_ok = calls.list.eval(parses).list.all()
+    ok = (
+        sequence.str.contains(tags.grammar())
+        & (answer.str.strip_chars().str.len_bytes() > 0).fill_null(False)
+        & calls_ok
+    )
+    return pl.when(response.is_not_null()).then(ok)
+
+
+def reasoning_text(tags: TagSet, column: str = "response") -> pl.Expr:
+    """The think segments' text; the whole response without tags when it has no think tag."""
+    found = segments(tags, "think", column)
+    strip = tags.tag_regex()
+    return (
+        pl.when(found.list.len() > 0)
+        .then(found.list.join(" "))
+        .otherwise(pl.col(column))
+        .str.replace_all(strip, " ")
+    )
+
+
+def plain_text(tags: TagSet, column: str = "response") -> pl.Expr:
+    """The whole response without its tags."""
+    return pl.col(column).str.replace_all(tags.tag_regex(), " ")
+
+
+def shingles(text: pl.Expr) -> pl.Expr:
+    """Hashes of the normalised text's word 3-grams (a text of 1-2 words is one shingle);
+    null for blank text. One string hash per word, combined per n-gram arithmetically."""
+    norm = normalized(text)
+    words = norm.str.split(" ")
+    h = pl.element().hash(0x5EED)
+    gram = h
+    for offset, mult in ((1, 0x9E3779B97F4A7C15), (2, 0xC2B2AE3D27D4EB4F)):
+        gram = (gram * pl.lit(mult, dtype=pl.UInt64)).xor(h.shift(-offset))
+    grams = words.list.eval(gram.drop_nulls())  # the last 2 words start no 3-gram
+    whole = pl.concat_list(norm.hash())
+    return (
+        pl.when(norm.str.len_bytes() == 0)
+        .then(None)
+        .when(words.list.len() < SHINGLE_WORDS)
+        .then(whole)
+        .otherwise(grams)
+    )
+
+
+def repetition(text: pl.Expr) -> pl.Expr:
+    """1 - distinct/total word 3-grams of the text; null with fewer than 3 words."""
+    norm = normalized(text)
+    grams = shingles(text)
+    enough = norm.str.count_matches(" ") >= SHINGLE_WORDS - 1
+    return pl.when(enough).then(1.0 - grams.list.n_unique() / grams.list.len())
+
+
+def minhash(grams: pl.Expr, k: int = MINHASH_K) -> list[pl.Expr]:
+    """K MinHash values (the top 32 bits of K seeded hashes' minima) of a shingle-hash list;
+    P[two signatures agree at one position] = the Jaccard similarity of the shingle sets."""
+    return [
+        (grams.list.eval(pl.element().hash(seed)).list.min() // (1 << 32))
+        .cast(pl.UInt32)
+        .alias(f"minhash_{seed}")
+        for seed in range(k)
+    ]
+
+
+def call_arguments(tags: TagSet, column: str = "response") -> pl.Expr:
+    """Each tool call's contents (whitespace-normalised) from the response's tags."""
+    calls = segments(tags, "tool_call", column)
+    return calls.list.eval(
+        pl.element()
+        .str.replace_all(tags.tag_regex(), "")
+        .str.replace_all(r"\s+", " ")
+        .str.strip_chars()
+    )
+
+
+def redundant_calls(calls: pl.Expr) -> pl.Expr:
+    """Calls that repeat an earlier call's arguments in the same rollout: len - distinct."""
+    return (calls.list.len() - calls.list.n_unique()).cast(pl.Int64)
+
+
+def sequence_key(actions: pl.Expr) -> pl.Expr:
+    """A hash of a whole action sequence (identical trajectories share it)."""
+    return actions.list.eval(pl.element().str.strip_chars()).list.join("\x1f").hash()
+
+
+def parse_segments(text: str, tags: TagSet | None = None) -> list[tuple[str, str]]:
+    """A response split into (segment, text) parts in order; text outside tags is `text`.
+    For display (`rlscope show`); the metrics use the expressions above."""
+    tags = tags or TagSet()
+    by_tag = {t: s for s in SEGMENTS for t in tags.of(s)}
+    names = "|".join(map(re.escape, by_tag))
+    pattern = re.compile(rf"<({names})>(.*?)</\1>", re.S)
+    parts: list[tuple[str, str]] = []
+    last = 0
+    for match in pattern.finditer(text):
+        if text[last : match.start()].strip():
+            parts.append(("text", text[last : match.start()]))
+        parts.append((by_tag[match.group(1)], match.group(2)))
+        last = match.end()
+    if text[last:].strip():
+        parts.append(("text", text[last:]))
+    return parts
