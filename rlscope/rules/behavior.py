@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import polars as pl
@@ -14,11 +14,13 @@ from rlscope.rules.base import (
     MIN_TREND_STEPS,
     RuleContext,
     compare_windows,
+    example_ids,
     final_mean,
     level_severity,
     pct,
     pooled_corr,
     rolling_median,
+    window_size,
 )
 
 
@@ -151,19 +153,42 @@ def overthinking(ctx: RuleContext) -> Iterator[Finding]:
         )
 
 
-def _level_rule(ctx: RuleContext, metric_id: str, what: str) -> Iterator[Finding]:
+def _level_rule(
+    ctx: RuleContext,
+    metric_id: str,
+    what: str,
+    *,
+    complement: bool = False,
+    examples: Callable[[pl.DataFrame], list[int]] | None = None,
+) -> Iterator[Finding]:
+    """A final-window level against `warn_at`/`critical_at` (of 1 - value with `complement`);
+    `examples` picks rollout ids from the per-rollout rows of the final window."""
     series = ctx.series(metric_id)
     if series is None or len(series) == 0:
         return
-    level = final_mean(series)
+    value = final_mean(series)
+    level = 1.0 - value if complement else value
     severity = level_severity(level, ctx.params)
     if severity is None:
         return
+    evidence = {}
+    rows = ctx.rollout_rows()
+    if examples is not None and rows is not None:
+        first = int(series.steps[-window_size(len(series), 0.1)])
+        recent = rows.filter((pl.col("split") == "train") & (pl.col("step") >= first))
+        evidence["rollout_ids"] = examples(recent)
     yield ctx.finding(
-        f"{pct(level)} of rollouts {what} over the last steps.",
+        f"{pct(level)} of {what} over the last steps"
+        + (
+            f"; e.g. rollouts {', '.join(map(str, evidence['rollout_ids']))}"
+            if evidence.get("rollout_ids")
+            else ""
+        )
+        + ".",
         severity=severity,
-        final_value=level,
+        final_value=value,
         steps=[int(series.steps[-1])],
+        **evidence,
     )
 
 
@@ -183,7 +208,7 @@ def _level_rule(ctx: RuleContext, metric_id: str, what: str) -> Iterator[Finding
     },
 )
 def truncation(ctx: RuleContext) -> Iterator[Finding]:
-    yield from _level_rule(ctx, "behavior.truncation_rate", "hit the length cap")
+    yield from _level_rule(ctx, "behavior.truncation_rate", "rollouts hit the length cap")
 
 
 @rule(
@@ -202,7 +227,7 @@ def truncation(ctx: RuleContext) -> Iterator[Finding]:
     },
 )
 def tool_cap_saturation(ctx: RuleContext) -> Iterator[Finding]:
-    yield from _level_rule(ctx, "behavior.tool_cap_frac", "reach the tool-call cap")
+    yield from _level_rule(ctx, "behavior.tool_cap_frac", "rollouts reach the tool-call cap")
 
 
 @rule(
@@ -242,3 +267,89 @@ def tool_call_instability(ctx: RuleContext) -> Iterator[Finding]:
             cv=cv,
             steps=[first, int(steps[-1])],
         )
+
+
+@rule(
+    "format-violations",
+    layer="L2",
+    title="Responses break the output format",
+    doc="Final-window share of train rollouts failing behavior.format_ok (unbalanced or "
+    "misordered tags, a missing or blank answer, a tool call that is not JSON with `name` and "
+    "`arguments`) at least `warn_at` (critical at `critical_at`). Only judged when responses use "
+    "tags. A broken format gets no reward for reasons unrelated to the task; a share that rises "
+    "during training is often reward hacking around the parser or a collapse into loops.",
+    remedy="open the listed rollouts (`rlscope show RUN ID`); add or raise a format reward; "
+    "check the chat template and stop tokens; check [tags] matches the model's tags.",
+    metrics=("behavior.format_ok",),
+    params={
+        "warn_at": Param(0.1, "final-window share of violations for a warning"),
+        "critical_at": Param(0.3, "final-window share of violations for a critical finding"),
+    },
+)
+def format_violations(ctx: RuleContext) -> Iterator[Finding]:
+    yield from _level_rule(
+        ctx,
+        "behavior.format_ok",
+        "rollouts break the format",
+        complement=True,
+        examples=lambda rows: example_ids(
+            rows, pl.col("tagged").is_not_null() & ~pl.col("format_ok")
+        ),
+    )
+
+
+@rule(
+    "repetition",
+    layer="L2",
+    title="Reasoning repeats itself",
+    doc="Final-window mean of behavior.repetition (1 - distinct/total word 3-grams in the think "
+    "segment) at least `warn_at` (critical at `critical_at`). Natural reasoning repeats few "
+    "3-grams (< 0.1); loops of the same sentences waste the length budget and usually end "
+    "truncated or wrong.",
+    remedy="open the listed rollouts; add a repetition penalty (open-r1) or overlong shaping; "
+    "check sampling temperature and entropy (a collapsed policy loops).",
+    metrics=("behavior.repetition",),
+    params={
+        "warn_at": Param(0.2, "final-window mean repetition for a warning"),
+        "critical_at": Param(0.4, "final-window mean repetition for a critical finding"),
+    },
+)
+def repetition(ctx: RuleContext) -> Iterator[Finding]:
+    yield from _level_rule(
+        ctx,
+        "behavior.repetition",
+        "the reasoning's word 3-grams are repeats",
+        examples=lambda rows: example_ids(
+            rows, pl.col("repetition").is_not_null(), order=pl.col("repetition")
+        ),
+    )
+
+
+def _redundant_examples(rows: pl.DataFrame) -> list[int]:
+    column = "calls_redundant" if "calls_redundant" in rows.columns else "tag_calls_redundant"
+    return example_ids(rows, pl.col(column) > 0, order=pl.col(column))
+
+
+@rule(
+    "redundant-tool-calls",
+    layer="L2",
+    title="Tool calls repeat themselves",
+    doc="Final-window share of tool calls that repeat an earlier call's arguments in the same "
+    "rollout (behavior.redundant_tool_calls) at least `warn_at` (critical at `critical_at`). "
+    "Repeated calls return what the policy already has: invisible in reward, they multiply "
+    "latency and cost, and often mean the policy does not read the tool's response.",
+    remedy="open the listed rollouts; penalise repeated calls or reward tool efficiency (OTC); "
+    "check that tool responses reach the context.",
+    metrics=("behavior.redundant_tool_calls",),
+    params={
+        "warn_at": Param(0.1, "final-window share of redundant calls for a warning"),
+        "critical_at": Param(0.3, "final-window share of redundant calls for a critical finding"),
+    },
+)
+def redundant_tool_calls(ctx: RuleContext) -> Iterator[Finding]:
+    yield from _level_rule(
+        ctx,
+        "behavior.redundant_tool_calls",
+        "tool calls repeat an earlier call of the same rollout",
+        examples=_redundant_examples,
+    )

@@ -1,0 +1,108 @@
+"""L4 findings: within-group diversity collapsing toward one mode."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import polars as pl
+
+from rlscope.registry import Param, rule
+from rlscope.report import Finding
+from rlscope.rules.base import MIN_TREND_STEPS, RuleContext, compare_windows, final_mean, pct
+
+
+def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
+    """Rollout ids of the largest identical-trajectory cluster at the last step."""
+    rows = ctx.rollout_rows()
+    if rows is None:
+        return []
+    key = next((k for k in ("action_key", "text_key") if k in rows.columns), None)
+    if key is None:
+        return []
+    recent = rows.filter(
+        (pl.col("split") == "train") & (pl.col("step") == last_step) & pl.col(key).is_not_null()
+    )
+    if recent.height == 0:
+        return []
+    clusters = (
+        recent.group_by("prompt_id", key)
+        .agg(pl.col("rollout_id").sort())
+        .with_columns(pl.col("rollout_id").list.len().alias("size"))
+        .sort("size", "prompt_id", descending=[True, False])
+    )
+    return [int(i) for i in clusters["rollout_id"][0][:8]]
+
+
+@rule(
+    "diversity-collapse",
+    layer="L4",
+    title="Rollouts of a prompt collapse toward one mode",
+    doc="Within-group diversity (exploration.pairwise_diversity, else exploration.unique_frac) "
+    "fell by at least `min_drop` of its level in the first fifth of the run to the last fifth, "
+    "significantly (z <= -`z` against the step-to-step scatter). Critical when the final "
+    "share of a group in its largest identical cluster (exploration.cluster_sizes) is at least "
+    "`critical_mode_share`. A group of near-copies gives GRPO no contrast to learn from and the "
+    "policy stops finding new solutions; healthy runs alternate exploitation and exploration "
+    "rather than collapsing monotonically. The evidence names the largest identical cluster of "
+    "the last step.",
+    remedy="raise sampling temperature or entropy regularisation (clip-higher, Clip-Cov); lower "
+    "the learning rate; add diversity-promoting rewards or rollout dedup; check for entropy "
+    "collapse (L2).",
+    metrics=(
+        "exploration.pairwise_diversity",
+        "exploration.unique_frac",
+        "exploration.cluster_sizes",
+    ),
+    params={
+        "min_drop": Param(0.5, "share of the initial diversity lost"),
+        "z": Param(2.0, "significance of the fall (z-score)"),
+        "critical_mode_share": Param(0.5, "final largest-cluster share for a critical finding"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+)
+def diversity_collapse(ctx: RuleContext) -> Iterator[Finding]:
+    p = ctx.params
+    metric_id = next(
+        (
+            m
+            for m in ("exploration.pairwise_diversity", "exploration.unique_frac")
+            if ctx.series(m) is not None
+        ),
+        None,
+    )
+    if metric_id is None:
+        return
+    series = ctx.series(metric_id)
+    assert series is not None
+    if len(series) < p["min_steps"]:
+        return
+    w = compare_windows(series)
+    if w.first <= 0 or w.last > (1 - p["min_drop"]) * w.first or w.z > -p["z"]:
+        return
+    modes = ctx.series("exploration.cluster_sizes")
+    mode_share = final_mean(modes) if modes is not None and len(modes) else None
+    severity = (
+        "critical" if mode_share is not None and mode_share >= p["critical_mode_share"] else None
+    )
+    ids = _collapsed_group(ctx, int(series.steps[-1]))
+    decline = ctx.results[metric_id].extra.get("decline", {}).get("shape")
+    yield ctx.finding(
+        f"{metric_id} fell from {w.first:.3g} to {w.last:.3g} ({pct(1 - w.last / w.first)} lost"
+        + (f", a {decline} decline" if decline in ("cliff", "smooth") else "")
+        + ")"
+        + (
+            f"; a group's largest identical cluster is {pct(mode_share)} of it"
+            if mode_share
+            else ""
+        )
+        + (f"; e.g. identical rollouts {', '.join(map(str, ids))}" if len(ids) > 1 else "")
+        + ".",
+        severity=severity,
+        first=w.first,
+        last=w.last,
+        z=w.z,
+        mode_share=mode_share,
+        decline=decline,
+        steps=[w.first_steps[0], w.last_steps[1]],
+        rollout_ids=ids,
+    )

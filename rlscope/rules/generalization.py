@@ -1,0 +1,76 @@
+"""L5 findings: out-of-distribution accuracy falling behind in-distribution."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import polars as pl
+
+from rlscope.registry import Param, rule
+from rlscope.report import Finding
+from rlscope.rules.base import RuleContext, window_size
+
+
+def _window(frame: pl.DataFrame) -> tuple[float, float]:
+    """Mean gap of the window's eval steps and its standard error: the larger of the binomial
+    error (from the eval counts) and the step-to-step scatter."""
+    gap = frame["value"].to_numpy()
+    acc_id, acc_ood = frame["extra_id"].to_numpy(), frame["extra_ood"].to_numpy()
+    n_id = np.maximum(frame["n_id"].to_numpy().astype(np.float64), 1.0)
+    n_ood = np.maximum(frame["n_ood"].to_numpy().astype(np.float64), 1.0)
+    binomial = acc_id * (1 - acc_id) / n_id + acc_ood * (1 - acc_ood) / n_ood
+    var = float(binomial.mean()) / len(gap)
+    if len(gap) > 1:
+        var = max(var, float(gap.var(ddof=1)) / len(gap))
+    return float(gap.mean()), math.sqrt(var)
+
+
+@rule(
+    "ood-gap",
+    layer="L5",
+    title="Out-of-distribution accuracy falls behind",
+    doc="At the eval steps with both `eval_id` and `eval_ood` rollouts: the ID − OOD accuracy "
+    "gap of the last fifth of eval steps is at least `min_gap`, and it widened by at least "
+    "`min_widening` since the first fifth, significantly (z >= `z`, with the larger of the "
+    "binomial error of the eval accuracies and the step-to-step scatter as noise). Judged from "
+    "`min_evals` eval steps. The policy is getting better at the training distribution while "
+    "transfer stalls: patterns or memorised answers rather than skills.",
+    remedy="add diverse or harder prompts to the training mix; stop at the checkpoint where the "
+    "gap was smallest; regularise more (KL); check for prompt overlap between train and eval_id "
+    "(a leak inflates ID accuracy).",
+    metrics=("generalization.ood_gap",),
+    params={
+        "min_gap": Param(0.1, "final ID − OOD accuracy gap"),
+        "min_widening": Param(0.05, "growth of the gap from the first to the last fifth"),
+        "z": Param(2.0, "significance of the widening (z-score)"),
+        "min_evals": Param(4, "fewest eval steps to judge"),
+    },
+)
+def ood_gap(ctx: RuleContext) -> Iterator[Finding]:
+    p = ctx.params
+    frame = ctx.frame("generalization.ood_gap")
+    if frame is None:
+        return
+    frame = frame.filter(pl.col("value").is_not_null()).sort("step")
+    if frame.height < p["min_evals"]:
+        return
+    w = window_size(frame.height, 0.2, minimum=1)
+    (first, se_first), (last, se_last) = _window(frame.head(w)), _window(frame.tail(w))
+    widening = last - first
+    se = math.hypot(se_first, se_last)
+    z = widening / se if se > 0 else math.inf
+    if last < p["min_gap"] or widening < p["min_widening"] or z < p["z"]:
+        return
+    steps = frame["step"].to_list()
+    ood = frame.tail(w)["extra_ood"].mean()
+    acc_id = frame.tail(w)["extra_id"].mean()
+    yield ctx.finding(
+        f"OOD accuracy trails ID by {last:.2f} at the last evals (ID {acc_id:.2f}, OOD "
+        f"{ood:.2f}), up from {first:.2f} at the first (z = {z:.1f}).",
+        gap_first=first,
+        gap_last=last,
+        z=z,
+        steps=[int(steps[0]), int(steps[-1])],
+    )
