@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlscope.render.sanitize import safe_text
-from rlscope.report import LAYERS, Finding, Report, severity_rank
+from rlscope.report import LAYERS, Finding, MetricResult, Report, severity_rank
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 24
@@ -108,9 +108,47 @@ def _layer_panel(report: Report, layer: str, status: dict[str, Finding]) -> Pane
             state,
         )
     lines: list = [table] if metrics else []
+    for metric in metrics:
+        detail = metric_detail(metric)
+        if detail:
+            lines.append(Text(safe_text(f"{metric.id}: {detail}"), style="dim"))
     for skip in skipped:
         lines.append(Text(safe_text(f"skipped {skip.metric}: {skip.reason}"), style="dim"))
     return Panel(Group(*lines), title=f"{layer} {LAYERS[layer]}", title_align="left")
+
+
+def metric_detail(metric: MetricResult) -> str:
+    """One line for the extras a sparkline cannot show: how a series declined, distributions,
+    trends and curves."""
+    extra = metric.extra
+    parts = []
+    decline = extra.get("decline") or {}
+    if decline.get("shape") in ("cliff", "smooth"):
+        lo, hi = decline.get("steepest_steps", [None, None])
+        parts.append(
+            f"{decline['shape']} decline {format_value(decline['start']).strip()} → "
+            f"{format_value(decline['end']).strip()}"
+            + (
+                f", steepest {100 * decline['steepest_share']:.0f}% within steps {lo}–{hi}"
+                if decline["shape"] == "cliff"
+                else ""
+            )
+        )
+    clusters = (extra.get("cluster_sizes") or {}).get("final_window")
+    if clusters:
+        shown = " ".join(f"{size}:{count}" for size, count in list(clusters.items())[:10])
+        parts.append(f"cluster sizes (final window, size:count) {shown}")
+    trend = extra.get("trend") or {}
+    if trend.get("slope_per_100_steps") is not None:
+        parts.append(
+            f"gap {trend['first']:+.3f} → {trend['last']:+.3f} "
+            f"({trend['slope_per_100_steps']:+.3f} per 100 steps)"
+        )
+    curve = extra.get("curve") or {}
+    if curve.get("fraction"):
+        points = zip(curve["fraction"], curve["unchanged"], strict=True)
+        parts.append("unchanged by CoT kept " + " ".join(f"{x:g}:{y:.2f}" for x, y in points))
+    return "; ".join(parts)
 
 
 def _layer_of(metric_id: str) -> str | None:

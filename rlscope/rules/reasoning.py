@@ -218,7 +218,7 @@ def self_consistency_headroom(ctx: RuleContext) -> Iterator[Finding]:
     title="Right answers through wrong steps",
     doc="Over the final fifth of the run, at least `warn_at` (critical at `critical_at`) of the "
     "correct train rollouts with verifier-checked steps have a failed intermediate step "
-    "(steps_verified < steps_checked). Outcome reward reinforces these lucky or shortcut "
+    "(steps_verified < steps_checked), judged from `min_correct` such rollouts. Outcome reward reinforces these lucky or shortcut "
     "answers exactly like sound ones; the share rising means the policy learns shortcuts.",
     remedy="add process supervision (step-level reward or a PRM); penalise correct answers with "
     "failed checks; inspect the listed rollouts.",
@@ -226,6 +226,7 @@ def self_consistency_headroom(ctx: RuleContext) -> Iterator[Finding]:
     params={
         "warn_at": Param(0.2, "share of correct rollouts with a failed step (warning)"),
         "critical_at": Param(0.4, "share for a critical finding"),
+        "min_correct": Param(20, "fewest correct rollouts with checked steps to judge"),
     },
 )
 def step_errors(ctx: RuleContext) -> Iterator[Finding]:
@@ -237,7 +238,7 @@ def step_errors(ctx: RuleContext) -> Iterator[Finding]:
     first = int(steps[min(len(steps) - 1, int(0.8 * len(steps)))])
     window = frame.filter(pl.col("step") >= first)
     checked = int(window["correct_checked"].sum() or 0)
-    if checked == 0:
+    if checked == 0 or checked < ctx.params["min_correct"]:
         return
     share = int(window["correct_step_errors"].sum() or 0) / checked
     severity = level_severity(share, ctx.params)
