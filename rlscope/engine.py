@@ -28,6 +28,9 @@ ROLLOUT_KEYS = (*GROUP_KEYS, "rollout_id")
 PROBE_KEYS = ("rollout_id", "step", "split", "intervention", "fraction")
 ROWS = "__rows__"  # row-count partial of the level that counts a table's data problems
 FINAL_WINDOW_FRACTION = 0.1
+#: Rows per streaming morsel of the per-rollout text query (Polars' default is ~100k rows:
+#: with long responses and their word lists, that is what sets the peak memory).
+TEXT_MORSEL_ROWS = 10_000
 
 
 def entropy_bin() -> pl.Expr:
@@ -101,10 +104,14 @@ def plan(metrics: Iterable[Metric], run: Run) -> tuple[dict[str, Variant], list[
     return chosen, skipped
 
 
-def _merged_partials(variants: Iterable[Variant], ctx: Context) -> dict[str, pl.Expr]:
+def _merged_partials(
+    variants: Iterable[Variant], ctx: Context, *, prelude: bool = False
+) -> dict[str, pl.Expr]:
+    """Every variant's partials (or preludes) by name; one name means one expression."""
     merged: dict[str, pl.Expr] = {}
     for variant in variants:
-        for name, expr in variant.resolve_partials(ctx).items():
+        found = variant.resolve_prelude(ctx) if prelude else variant.resolve_partials(ctx)
+        for name, expr in found.items():
             if name in merged and not merged[name].meta.eq(expr):
                 raise ValueError(f"partial {name!r} is declared with two different expressions")
             merged[name] = expr
@@ -117,6 +124,7 @@ def aggregate_query(
     level: str,
     partials: dict[str, pl.Expr],
     count_invalid: Iterable[str] | None = None,
+    prelude: dict[str, pl.Expr] | None = None,
 ) -> pl.LazyFrame:
     """One scan of `table`, aggregated to `level` with every requested partial, plus the number
     of NaN/inf values of each `count_invalid` column (partials named `__invalid__<column>`) and
@@ -129,7 +137,10 @@ def aggregate_query(
     if table == "probes":
         return probes_query(run).select(*PROBE_KEYS, *exprs)
     if table == "rollouts" and level == "rollout":
-        return run.scan("rollouts").filter(valid_rollout()).select(*ROLLOUT_KEYS, *exprs)
+        lf = run.scan("rollouts").filter(valid_rollout())
+        for name, expr in (prelude or {}).items():
+            lf = lf.with_columns(expr.alias(name))
+        return lf.select(*ROLLOUT_KEYS, *exprs)
     flags = [INVALID_PREFIX + c for c in count_invalid or ()]
     lf = run.scan(table, invalid_flags=bool(flags))
     exprs += [pl.col(f).cast(pl.Int64).sum().alias(f) for f in flags]
@@ -238,13 +249,25 @@ def compute(
         # them over all rows, before rows are left out; probes are few and not aggregated).
         if table not in ("rollouts", "probes") and not any(t == table for t, _ in counted):
             counted[table, level] = _float_columns_used(run, table, partials)
-        queries.append(aggregate_query(run, table, level, partials, counted.get((table, level))))
+        prelude = _merged_partials(by_level[table, level], context, prelude=True)
+        queries.append(
+            aggregate_query(run, table, level, partials, counted.get((table, level)), prelude)
+        )
     tables = list(dict.fromkeys(table for table, _ in levels))
     with_orphans = "tokens" in tables and "rollouts" in run.tables
     if with_orphans:
         queries.append(orphan_tokens_query(run))
     what = "reading " + ", ".join(tables)
+    # The per-rollout text query runs alone, in small morsels: a morsel of long responses and
+    # their word lists is what bounds its memory (the other scans keep Polars' default).
+    text_query = (
+        levels.index(("rollouts", "rollout")) if ("rollouts", "rollout") in levels else None
+    )
+    if text_query is not None:
+        text_frame = _collect([queries.pop(text_query)], what, run, tables, TEXT_MORSEL_ROWS)
     collected = _collect(queries, what, run, tables)
+    if text_query is not None:
+        collected.insert(text_query, text_frame[0])
     run.check_unchanged()  # every file read is the one listed at open
     warnings: list[str] = []
     if with_orphans:
@@ -387,14 +410,19 @@ def _extra(metric: Metric, frame: pl.DataFrame, context: Context) -> dict[str, A
 
 
 def _collect(
-    queries: list[pl.LazyFrame], what: str, run: Run | None = None, tables: Iterable[str] = ()
+    queries: list[pl.LazyFrame],
+    what: str,
+    run: Run | None = None,
+    tables: Iterable[str] = (),
+    morsel_rows: int | None = None,
 ) -> list[pl.DataFrame]:
     if not queries:
         return []
     try:
-        # No common-subplan elimination: for two queries over one table it caches the shared
-        # scan in memory, i.e. it would materialise the token table.
-        return pl.collect_all(queries, optimizations=pl.QueryOptFlags(comm_subplan_elim=False))
+        with pl.Config(streaming_chunk_size=morsel_rows):
+            # No common-subplan elimination: for two queries over one table it caches the
+            # shared scan in memory, i.e. it would materialise the token table.
+            return pl.collect_all(queries, optimizations=pl.QueryOptFlags(comm_subplan_elim=False))
     except (pl.exceptions.PolarsError, OSError) as exc:
         if run is not None:
             # Names the file removed/rewritten since the open, or the unreadable file/column.

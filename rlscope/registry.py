@@ -57,10 +57,17 @@ class Variant:
     # "entropy_bins" is tokens per (step, entropy bin), "segments" tokens per (step, segment),
     # "rollout" rollouts one row per rollout.
     level: str = ""
+    # Level "rollout" only: intermediate columns computed in order before the partials (each may
+    # use the ones before it) and dropped after, so that work shared by several features, like
+    # splitting a response into words, is done once per rollout.
+    prelude: Mapping[str, pl.Expr] | PartialsFn = field(default_factory=dict)
 
     def resolve_partials(self, ctx: Context) -> Mapping[str, pl.Expr]:
         """The partials, given the run and settings (some depend on run.json or the tags)."""
         return self.partials(ctx) if callable(self.partials) else self.partials
+
+    def resolve_prelude(self, ctx: Context) -> Mapping[str, pl.Expr]:
+        return self.prelude(ctx) if callable(self.prelude) else self.prelude
 
 
 @dataclass(frozen=True)

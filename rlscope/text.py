@@ -86,8 +86,10 @@ class TextSettings:
 
 
 def normalized(expr: pl.Expr) -> pl.Expr:
-    """Lower-cased, whitespace collapsed and trimmed: what counts as 'the same text'."""
-    return expr.str.to_lowercase().str.replace_all(r"\s+", " ").str.strip_chars()
+    r"""Lower-cased, whitespace collapsed and trimmed: what counts as 'the same text'. (Runs of
+    whitespace and single non-space whitespace become one space: the same as replacing `\s+`,
+    4x faster, since single spaces, most of them, are left alone.)"""
+    return expr.str.to_lowercase().str.replace_all(r"\s\s+|[^\S ]", " ").str.strip_chars()
 
 
 def answer_key(column: str = "answer") -> pl.Expr:
@@ -106,9 +108,12 @@ def segments(tags: TagSet, segment: str, column: str = "response") -> pl.Expr:
     return pl.col(column).str.extract_all(tags.segment_regex(segment))
 
 
-def segment_words(tags: TagSet, segment: str, column: str = "response") -> pl.Expr:
-    """Words in all of a response's `segment` segments; null when it has none."""
-    found = segments(tags, segment, column)
+def segment_words(
+    tags: TagSet, segment: str, column: str = "response", found: pl.Expr | None = None
+) -> pl.Expr:
+    """Words in all of a response's `segment` segments (`found`: their list, if computed);
+    null when it has none."""
+    found = segments(tags, segment, column) if found is None else found
     text = found.list.join(" ").str.replace_all(tags.tag_regex(), " ")
     return pl.when(found.list.len() > 0).then(text.str.count_matches(r"\S+"))
 
@@ -154,32 +159,37 @@ def plain_text(tags: TagSet, column: str = "response") -> pl.Expr:
     return pl.col(column).str.replace_all(tags.tag_regex(), " ")
 
 
-def shingles(text: pl.Expr) -> pl.Expr:
-    """Hashes of the normalised text's word 3-grams (a text of 1-2 words is one shingle);
-    null for blank text. One string hash per word, combined per n-gram arithmetically."""
-    norm = normalized(text)
-    words = norm.str.split(" ")
-    h = pl.element().hash(0x5EED)
+def word_hashes(norm: pl.Expr) -> pl.Expr:
+    """One string hash per word of already normalised text."""
+    return norm.str.split(" ").list.eval(pl.element().hash(0x5EED))
+
+
+def word_grams(hashes: pl.Expr) -> pl.Expr:
+    """Hashes of the word 3-grams from a list of word hashes (empty under 3 words), combined
+    arithmetically (wrapping uint64): no string is built per 3-gram."""
+    h = pl.element()
     gram = h
     for offset, mult in ((1, 0x9E3779B97F4A7C15), (2, 0xC2B2AE3D27D4EB4F)):
         gram = (gram * pl.lit(mult, dtype=pl.UInt64)).xor(h.shift(-offset))
-    grams = words.list.eval(gram.drop_nulls())  # the last 2 words start no 3-gram
-    whole = pl.concat_list(norm.hash())
+    return hashes.list.eval(gram.drop_nulls())  # the last 2 words start no 3-gram
+
+
+def shingles(norm: pl.Expr, grams: pl.Expr | None = None) -> pl.Expr:
+    """The shingle set of normalised text: its word 3-grams (`grams`, from `word_grams`), or
+    the whole text as one shingle under 3 words; null for blank text."""
+    grams = word_grams(word_hashes(norm)) if grams is None else grams
     return (
         pl.when(norm.str.len_bytes() == 0)
         .then(None)
-        .when(words.list.len() < SHINGLE_WORDS)
-        .then(whole)
+        .when(grams.list.len() == 0)
+        .then(pl.concat_list(norm.hash()))
         .otherwise(grams)
     )
 
 
-def repetition(text: pl.Expr) -> pl.Expr:
-    """1 - distinct/total word 3-grams of the text; null with fewer than 3 words."""
-    norm = normalized(text)
-    grams = shingles(text)
-    enough = norm.str.count_matches(" ") >= SHINGLE_WORDS - 1
-    return pl.when(enough).then(1.0 - grams.list.n_unique() / grams.list.len())
+def repetition(grams: pl.Expr) -> pl.Expr:
+    """1 - distinct/total of a text's word 3-grams (from `word_grams`); null under 3 words."""
+    return pl.when(grams.list.len() > 0).then(1.0 - grams.list.n_unique() / grams.list.len())
 
 
 def minhash(grams: pl.Expr, k: int = MINHASH_K) -> list[pl.Expr]:
@@ -191,6 +201,32 @@ def minhash(grams: pl.Expr, k: int = MINHASH_K) -> list[pl.Expr]:
         .alias(f"minhash_{seed}")
         for seed in range(k)
     ]
+
+
+#: Intermediate per-rollout columns shared by the text features (a metric Variant's `prelude`):
+#: computed once per rollout, in this order, then dropped.
+PLAIN, PLAIN_WORDS = "_plain", "_plain_words"
+PLAIN_GRAMS, PLAIN_SHINGLES = "_plain_grams", "_plain_shingles"
+REASONING, REASONING_WORDS, REASONING_GRAMS = "_reasoning", "_reasoning_words", "_reasoning_grams"
+
+
+def plain_prelude(tags: TagSet) -> dict[str, pl.Expr]:
+    """The response without tags, normalised, its word 3-grams and its shingle set."""
+    return {
+        PLAIN: normalized(plain_text(tags)),
+        PLAIN_WORDS: word_hashes(pl.col(PLAIN)),
+        PLAIN_GRAMS: word_grams(pl.col(PLAIN_WORDS)),
+        PLAIN_SHINGLES: shingles(pl.col(PLAIN), pl.col(PLAIN_GRAMS)),
+    }
+
+
+def reasoning_prelude(tags: TagSet) -> dict[str, pl.Expr]:
+    """The think segments (else the whole response), normalised, and their word 3-grams."""
+    return {
+        REASONING: normalized(reasoning_text(tags)),
+        REASONING_WORDS: word_hashes(pl.col(REASONING)),
+        REASONING_GRAMS: word_grams(pl.col(REASONING_WORDS)),
+    }
 
 
 def call_arguments(tags: TagSet, column: str = "response") -> pl.Expr:

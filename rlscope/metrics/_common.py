@@ -86,6 +86,7 @@ def per_rollout(
     empty_reason: str = "",
     defined_if: str | None = None,
     components: Mapping[str, tuple[str, str]] | None = None,
+    prelude: Mapping[str, pl.Expr] | PartialsFn | None = None,
 ) -> Variant:
     """A metric over the per-rollout level (train rollouts): per step Σnum / Σden, or the mean of
     `num` over the rollouts where it is defined (den None); null at steps where the boolean
@@ -107,5 +108,12 @@ def per_rollout(
         return sums.select("step", out.alias("value"), pl.col("^extra_.*$"))
 
     return Variant(
-        "rollouts", requires, series, partials, source, empty_reason=empty_reason, level="rollout"
+        "rollouts",
+        requires,
+        series,
+        partials,
+        source,
+        empty_reason=empty_reason,
+        level="rollout",
+        prelude=prelude or {},
     )

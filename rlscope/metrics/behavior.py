@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import polars as pl
 
 from rlscope import text
@@ -378,20 +380,37 @@ register_metric(
 # Rollout text and tools: per-rollout features (level "rollout"), parsed with the config's tags.
 
 
+_CALLS = "_calls"
+
+
+def _text_prelude(ctx: Context) -> dict[str, pl.Expr]:
+    tags = ctx.text.tags
+    prelude = {**text.reasoning_prelude(tags), _CALLS: text.call_arguments(tags)}
+    for segment in text.SEGMENTS:
+        prelude[f"_seg_{segment}"] = text.segments(tags, segment)
+    return prelude
+
+
 def _text_features(ctx: Context) -> dict[str, pl.Expr]:
     tags = ctx.text.tags
     features = {
         "has_response": pl.col("response").is_not_null(),
         "tagged": text.tagged(tags),
         "format_ok": text.format_ok(tags),
-        "repetition": text.repetition(text.reasoning_text(tags)),
-        "tag_calls_n": text.call_arguments(tags).list.len().cast(pl.Int64),
-        "tag_calls_redundant": text.redundant_calls(text.call_arguments(tags)),
+        "repetition": text.repetition(pl.col(text.REASONING_GRAMS)),
+        "tag_calls_n": pl.col(_CALLS).list.len().cast(pl.Int64),
+        "tag_calls_redundant": text.redundant_calls(pl.col(_CALLS)),
     }
     for segment in text.SEGMENTS:
-        features[f"words_{segment}"] = text.segment_words(tags, segment)
-        features[f"present_{segment}"] = text.segments(tags, segment).list.len() > 0
+        found = pl.col(f"_seg_{segment}")
+        features[f"words_{segment}"] = text.segment_words(tags, segment, found=found)
+        features[f"present_{segment}"] = found.list.len() > 0
     return features
+
+
+def _text_variant(num: str, den: str | None = None, **options: Any) -> Variant:
+    """A per-rollout metric over the response's text features."""
+    return per_rollout(("response",), _text_features, num, den, prelude=_text_prelude, **options)
 
 
 _LIST_CALLS = {
@@ -458,9 +477,7 @@ for _segment, _what in _SEGMENT_DOCS.items():
             healthy="task-dependent; growth should come with accuracy, and no segment vanishing",
             variants=(
                 _segment_tokens(_segment),
-                per_rollout(
-                    ("response",),
-                    _text_features,
+                _text_variant(
                     f"words_{_segment}",
                     source=f"rollouts.response: words inside the {_segment} tags",
                     components={"present": (f"present_{_segment}", "has_response")},
@@ -504,9 +521,7 @@ register_metric(
         healthy="> 0.95 and not falling",
         better="up",
         variants=(
-            per_rollout(
-                ("response",),
-                _text_features,
+            _text_variant(
                 "format_ok",
                 "has_response",
                 defined_if="tagged",
@@ -533,9 +548,7 @@ register_metric(
         better="down",
         references="open-r1 repetition penalty (n = 3)",
         variants=(
-            per_rollout(
-                ("response",),
-                _text_features,
+            _text_variant(
                 "repetition",
                 source="rollouts.response: word 3-grams of the think segments",
                 empty_reason="no response with at least 3 words",
@@ -566,9 +579,7 @@ register_metric(
                 source="rollouts.tool_calls",
                 empty_reason="no tool calls",
             ),
-            per_rollout(
-                ("response",),
-                _text_features,
+            _text_variant(
                 "tag_calls_redundant",
                 "tag_calls_n",
                 source="rollouts.response: tool-call tags",

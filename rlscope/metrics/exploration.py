@@ -20,13 +20,12 @@ _BY_ACTIONS = "rollouts.actions: the action sequence"
 _BY_TEXT = "rollouts.response: the normalised text"
 
 
-def _text_key(ctx: Context) -> dict[str, pl.Expr]:
-    return {"text_key": text.normalized(text.plain_text(ctx.text.tags)).hash()}
+_TEXT_KEY = {"text_key": pl.col(text.PLAIN).hash()}
+_TEXT_SIGNATURE = {e.meta.output_name(): e for e in text.minhash(pl.col(text.PLAIN_SHINGLES))}
 
 
-def _text_signature(ctx: Context) -> dict[str, pl.Expr]:
-    grams = text.shingles(text.plain_text(ctx.text.tags))
-    return {e.meta.output_name(): e for e in text.minhash(grams)}
+def _plain(ctx: Context) -> dict[str, pl.Expr]:
+    return text.plain_prelude(ctx.text.tags)
 
 
 _ACTION_KEY = {"action_key": text.sequence_key(pl.col("actions"))}
@@ -68,6 +67,7 @@ def _unique_variant(key: str, partials: Any, requires: str, source: str) -> Vari
         source,
         empty_reason="no train group with 2 or more rollouts",
         level="rollout",
+        prelude=_plain if requires == "response" else {},
     )
 
 
@@ -87,7 +87,7 @@ register_metric(
         references="seed §5 (L4); Feng et al. 2025, GiGPO (Fig. 5)",
         variants=(
             _unique_variant("action_key", _ACTION_KEY, "actions", _BY_ACTIONS),
-            _unique_variant("text_key", _text_key, "response", _BY_TEXT),
+            _unique_variant("text_key", _TEXT_KEY, "response", _BY_TEXT),
         ),
     )
 )
@@ -153,9 +153,10 @@ register_metric(
                 "rollouts",
                 ("response",),
                 _largest_cluster("text_key"),
-                _text_key,
+                _TEXT_KEY,
                 _BY_TEXT,
                 level="rollout",
+                prelude=_plain,
             ),
         ),
     )
@@ -164,24 +165,33 @@ register_metric(
 
 def _minhash_diversity(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     """1 - mean pairwise Jaccard estimate per group. Pairs that agree at signature position j
-    are counted from the value counts at j (Σ c(c-1)/2), so the cost is linear in rollouts."""
-    signed = _keyed(frame, "minhash_0")
+    are counted from the value counts at j (Σ c(c-1)/2), so the cost is linear in rollouts;
+    groups are keyed by one integer so that each position's counts stay small."""
     k = text.MINHASH_K
+    signed = _keyed(frame, "minhash_0").select(
+        pl.struct(GROUP).hash().alias("group"), *(f"minhash_{j}" for j in range(k))
+    )
     agreeing = (
         pl.concat(
             [
-                signed.group_by(*GROUP, f"minhash_{j}")
+                signed.group_by("group", f"minhash_{j}")
                 .agg(pl.len().cast(pl.Float64).alias("c"))
-                .select(*GROUP, (pl.col("c") * (pl.col("c") - 1) / 2).alias("agree"))
+                .group_by("group")
+                .agg((pl.col("c") * (pl.col("c") - 1) / 2).sum().alias("agree"))
                 for j in range(k)
             ]
         )
-        .group_by(GROUP)
+        .group_by("group")
         .agg(pl.col("agree").sum())
     )
-    sizes = signed.group_by(GROUP).agg(pl.len().cast(pl.Float64).alias("n"))
+    sizes = (
+        _keyed(frame, "minhash_0")
+        .group_by(GROUP)
+        .agg(pl.len().cast(pl.Float64).alias("n"))
+        .with_columns(pl.struct(GROUP).hash().alias("group"))
+    )
     pairs = pl.col("n") * (pl.col("n") - 1) / 2
-    groups = sizes.filter(pl.col("n") >= 2).join(agreeing, on=GROUP, how="left")
+    groups = sizes.filter(pl.col("n") >= 2).join(agreeing, on="group", how="left")
     return groups.group_by("step").agg((1.0 - pl.col("agree") / (k * pairs)).mean().alias("value"))
 
 
@@ -306,9 +316,10 @@ register_metric(
                 "rollouts",
                 ("response",),
                 _minhash_diversity,
-                _text_signature,
+                _TEXT_SIGNATURE,
                 "rollouts.response: 1 - MinHash Jaccard of word 3-grams",
                 level="rollout",
+                prelude=_plain,
             ),
         ),
     )
