@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
 from rlscope.errors import RlscopeError
 from rlscope.report import Finding, MetricResult, Report, RunInfo, Skipped
 from rlscope.writer import RunWriter
+
+if TYPE_CHECKING:
+    from rlscope.comparison import Comparison
 
 __all__ = [
     "Finding",
@@ -18,6 +23,7 @@ __all__ = [
     "Skipped",
     "__version__",
     "analyze",
+    "compare",
 ]
 
 
@@ -26,3 +32,10 @@ def analyze(path: str, **options: object) -> Report:
     from rlscope.analysis import analyze as _analyze
 
     return _analyze(path, **options)  # type: ignore[arg-type]
+
+
+def compare(paths: list[str], **options: object) -> Comparison:
+    """Compare runs against the first (see `rlscope.comparison.compare`)."""
+    from rlscope.comparison import compare as _compare
+
+    return _compare(paths, **options)  # type: ignore[arg-type]

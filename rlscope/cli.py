@@ -282,6 +282,107 @@ def explain(
 
 
 @app.command()
+def show(
+    run: Annotated[Path, typer.Argument(help="Run directory.")],
+    rollout_id: Annotated[int, typer.Argument(help="The rollout_id to open.")],
+    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    config: Annotated[
+        Path | None,
+        typer.Option(help="TOML with [tags] for parsing the response (default: ./rlscope.toml)."),
+    ] = None,
+) -> None:
+    """Open one rollout: its row, the response segment by segment, tool calls, token entropy
+    as a heat strip over the text, and its probes.
+
+    The tokens table has no token strings, so tokens are aligned to the response's words by
+    position (approximate).
+
+    Examples:
+
+      rlscope show sample_logs/healthy 42
+
+      rlscope show runs/r1 1234 --format json | jq .tokens.entropy
+
+      rlscope rollouts runs/r1 --finding format-violations   # ids to open
+
+    Exit codes: 0 shown, 2 unknown rollout id, usage or input error.
+    """
+    from rlscope.config import load_config
+    from rlscope.inspect import rollout
+    from rlscope.render.rollout import render_rollout, render_rollout_json
+
+    try:
+        if format not in ("text", "json"):
+            raise RlscopeError(f"--format {format!r}: choose text or json")
+        view = rollout(run, rollout_id, tags=load_config(config).text.tags)
+    except RlscopeError as exc:
+        _fail(exc)
+    if format == "json":
+        sys.stdout.write(render_rollout_json(view) + "\n")
+    else:
+        render_rollout(view, _stdout())
+
+
+@app.command("rollouts")
+def rollouts_command(
+    run: Annotated[Path, typer.Argument(help="Run directory.")],
+    finding: Annotated[
+        str | None, typer.Option(help="A finding id: the rollouts its evidence names.")
+    ] = None,
+    where: Annotated[
+        str | None,
+        typer.Option(
+            "--filter",
+            help='Filter, e.g. \'reward > 0.5 and (split == "train" or answer contains "42")\'.',
+        ),
+    ] = None,
+    limit: Annotated[int, typer.Option(min=0, help="Show at most N rollouts.")] = 20,
+    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    config: Annotated[
+        Path | None,
+        typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
+    ] = None,
+) -> None:
+    """List rollouts named by a finding and/or matching a filter, sorted by step and id.
+
+    --filter takes comparisons `column OP value` (OP: == != < <= > >=; value: a number, true,
+    false, null or a quoted string) and `column contains "text"`, combined with and, or, not
+    and parentheses; columns are the rollouts table's (`backticks` for odd names). Rows where
+    the column is null match only `== null`. --finding analyses the run and takes the rollout
+    ids from that finding's evidence; given both, a rollout must match both.
+
+    Examples:
+
+      rlscope rollouts runs/r1 --finding format-violations
+
+      rlscope rollouts runs/r1 --filter 'correct == false and step >= 100'
+
+      rlscope rollouts runs/r1 --filter 'answer contains "42"' --limit 100
+
+      rlscope rollouts runs/r1 --finding grad-spike --format json
+
+    Exit codes: 0 listed (also when nothing matched or the finding did not fire), 2 unknown
+    finding id or column, bad filter, usage or input error.
+    """
+    from rlscope.config import load_config
+    from rlscope.inspect import rollouts
+    from rlscope.render.rollout import render_rollout_list, render_rollout_list_json
+
+    try:
+        if format not in ("text", "json"):
+            raise RlscopeError(f"--format {format!r}: choose text or json")
+        settings = load_config(config)
+        with _progress(f"listing rollouts of {run}"):
+            listing = rollouts(run, finding=finding, where=where, limit=limit, config=settings)
+    except RlscopeError as exc:
+        _fail(exc)
+    if format == "json":
+        sys.stdout.write(render_rollout_list_json(listing) + "\n")
+    else:
+        render_rollout_list(listing, _stdout())
+
+
+@app.command()
 def synth(
     out: Annotated[Path, typer.Argument(help="New run directory to create.")],
     scenario: Annotated[str, typer.Option(help="healthy, or a finding's name.")] = "healthy",
@@ -290,6 +391,7 @@ def synth(
     group_size: Annotated[int, typer.Option(min=1, help="Rollouts per prompt (N).")] = 8,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     tokens: Annotated[bool, typer.Option(help="Write the per-token table.")] = True,
+    text: Annotated[bool, typer.Option(help="Write response text and probes.")] = True,
 ) -> None:
     """Generate a synthetic run from the documented latent model, healthy or with one pathology.
 
@@ -320,6 +422,7 @@ def synth(
                 group_size=group_size,
                 seed=seed,
                 tokens=tokens,
+                text=text,
             )
     except RlscopeError as exc:
         _fail(exc)
@@ -408,6 +511,223 @@ def formats(
     if importer is None:
         _fail(RlscopeError(f"unknown format {name!r}", hint="formats: " + ", ".join(IMPORTERS)))
     out.print(importer.doc, markup=False)
+
+
+@app.command()
+def compare(
+    runs: Annotated[
+        list[Path], typer.Argument(help="Two or more run directories; the first is the baseline.")
+    ],
+    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    metrics: Annotated[
+        str | None, typer.Option(help="Comma-separated metric ids to compare (default: all).")
+    ] = None,
+    align: Annotated[
+        str, typer.Option(help="Align curves by `step`, or by `progress` (fraction of training).")
+    ] = "step",
+    steps: Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
+    ] = None,
+) -> None:
+    """Compare runs side by side: every metric per run, its delta to the first run with a
+    bootstrap interval, which run is healthier, overlaid curves, and findings per run.
+
+    A difference is called out (better/worse) only when the 95% bootstrap interval of the
+    difference of final-window means excludes 0.
+
+    Examples:
+
+      rlscope compare runs/baseline runs/new-lr
+
+      rlscope compare runs/a runs/b runs/c --align progress --metrics signal.pass_at_1
+
+      rlscope compare runs/a runs/b --format json > diff.json
+
+    Exit codes: 0 compared, 2 usage or input error.
+    """
+    from rlscope.comparison import compare as run_compare
+    from rlscope.config import load_config
+    from rlscope.render.compare import render_comparison, render_comparison_json
+
+    try:
+        if format not in ("text", "json"):
+            raise RlscopeError(f"--format {format!r}: choose text or json")
+        if align not in ("step", "progress"):
+            raise RlscopeError(f"--align {align!r}: choose step or progress")
+        metric_ids = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
+        with _progress(f"comparing {len(runs)} runs"):
+            comparison = run_compare(
+                runs,
+                metrics=metric_ids,
+                align=align,
+                steps=parse_steps(steps),
+                config=load_config(config),
+            )
+    except RlscopeError as exc:
+        _fail(exc)
+    if format == "json":
+        sys.stdout.write(render_comparison_json(comparison) + "\n")
+    else:
+        render_comparison(comparison, _stdout())
+
+
+CHECK_FORMATS = ("text", "json", "junit", "github", "markdown")
+
+
+@app.command()
+def check(
+    run: Annotated[Path, typer.Argument(help="Run directory to check (may still be written).")],
+    baseline: Annotated[
+        Path | None, typer.Option(help="Baseline run for relative gates (max_drop, max_rise).")
+    ] = None,
+    gates: Annotated[
+        Path | None,
+        typer.Option(
+            help='TOML with [gates."METRIC"], fail_on and [findings.ID] (default: '
+            "./rlscope.toml, else [tool.rlscope] in ./pyproject.toml)."
+        ),
+    ] = None,
+    fail_on: Annotated[
+        str | None,
+        typer.Option(
+            help="Fail on a gate or finding at or above: info, warn, critical, never "
+            "(default: the gates file's fail_on, else critical)."
+        ),
+    ] = None,
+    format: Annotated[
+        str, typer.Option("--format", "-f", help="text, json, junit, github or markdown.")
+    ] = "text",
+    steps: Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")] = None,
+    exit_zero: Annotated[
+        bool, typer.Option("--exit-zero", help="Report breaches but exit 0.")
+    ] = False,
+    watch: Annotated[
+        float | None,
+        typer.Option(
+            help="Re-check every SECONDS as files arrive; exit 1 at the first breach "
+            "(Ctrl-C stops)."
+        ),
+    ] = None,
+) -> None:
+    """Gate a run in CI: evaluate metric gates and findings, exit 1 on a breach.
+
+    Gates are data (see README, CI gating): per metric id `min`/`max`, or relative to
+    --baseline `max_drop`/`max_rise` (a fraction of |baseline value|) and
+    `max_drop_abs`/`max_rise_abs` (in the metric's units), each with a severity. A gate on an
+    unknown metric id, or on a metric the run cannot compute, is a configuration error (2).
+    A run still being written is read as a snapshot of its complete files; the output names
+    the last step seen.
+
+    Examples:
+
+      rlscope check runs/r1 --gates rlscope.toml
+
+      rlscope check runs/new --baseline runs/main --format github
+
+      rlscope check runs/new --format markdown >> "$GITHUB_STEP_SUMMARY"
+
+      rlscope check runs/new --format junit > rlscope-junit.xml
+
+      rlscope check runs/live --watch 60   # a training job's sidecar
+
+    Exit codes: 0 pass, 1 a gate or finding breached, 2 usage, config or input error.
+    """
+    from rlscope.gates import CheckResult, load_gates
+    from rlscope.gates import check as run_check
+    from rlscope.gates import watch as run_watch
+    from rlscope.render.ci import render, render_text
+
+    try:
+        if format not in CHECK_FORMATS:
+            raise RlscopeError(f"--format {format!r}: choose one of {', '.join(CHECK_FORMATS)}")
+        if fail_on is not None and fail_on not in FAIL_LEVELS:
+            raise RlscopeError(f"--fail-on {fail_on!r}: choose one of {', '.join(FAIL_LEVELS)}")
+        if watch is not None and watch <= 0:
+            raise RlscopeError(f"--watch {watch}: give a positive number of seconds")
+        step_range = parse_steps(steps)
+        spec = load_gates(gates)
+
+        def once() -> CheckResult:
+            return run_check(run, baseline=baseline, gates=spec, fail_on=fail_on, steps=step_range)
+
+        if watch is None:
+            with _progress(f"checking {run}"):
+                result = once()
+        else:
+            err = _stderr()
+
+            def progress_line(result: CheckResult) -> None:
+                state = "breach" if result.failed else "ok"
+                _say(err, f"checked {run}: last step seen {result.last_step}: {state}")
+
+            try:
+                result = run_watch(once, run, interval=watch, on_result=progress_line)
+            except KeyboardInterrupt:
+                _say(err, "stopped")
+                raise typer.Exit(0) from None
+    except RlscopeError as exc:
+        _fail(exc)
+    if format == "text":
+        render_text(result, _stdout())
+    else:
+        sys.stdout.write(render(result, format) + "\n")
+    if result.failed and not exit_zero:
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="One or more run directories (overlaid).")],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The HTML file to write (not in a run dir).")
+    ] = Path("report.html"),
+    metrics: Annotated[
+        str | None, typer.Option(help="Comma-separated metric ids to plot (default: all).")
+    ] = None,
+    align: Annotated[
+        str, typer.Option(help="Align runs by `step`, or by `progress` (fraction of training).")
+    ] = "step",
+    steps: Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
+    ] = None,
+) -> None:
+    """Write one self-contained HTML report (inline SVG, no script, opens offline).
+
+    Per layer each metric's curve with its healthy band and findings marked at their steps;
+    length vs correctness, σ_G over time, pass@k for k = 1…N, entropy decay, faithfulness;
+    several runs are overlaid. Needs matplotlib (`pip install "rlscope[report]"`).
+
+    Examples:
+
+      rlscope report sample_logs/healthy -o healthy.html
+
+      rlscope report runs/a runs/b --align progress -o ab.html
+
+    Exit codes: 0 written, 2 usage or input error.
+    """
+    from rlscope.config import load_config
+    from rlscope.render.html import write_report
+
+    try:
+        if align not in ("step", "progress"):
+            raise RlscopeError(f"--align {align!r}: choose step or progress")
+        metric_ids = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
+        with _progress(f"reporting on {len(runs)} run(s)"):
+            path = write_report(
+                runs,
+                output,
+                metrics=metric_ids,
+                align=align,
+                steps=parse_steps(steps),
+                config=load_config(config),
+            )
+    except RlscopeError as exc:
+        _fail(exc)
+    _say(_stdout(), f"wrote {path}")
 
 
 def main() -> None:

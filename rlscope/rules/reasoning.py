@@ -218,8 +218,9 @@ def self_consistency_headroom(ctx: RuleContext) -> Iterator[Finding]:
     title="Right answers through wrong steps",
     doc="Over the final fifth of the run, at least `warn_at` (critical at `critical_at`) of the "
     "correct train rollouts with verifier-checked steps have a failed intermediate step "
-    "(steps_verified < steps_checked), judged from `min_correct` such rollouts. Outcome reward reinforces these lucky or shortcut "
-    "answers exactly like sound ones; the share rising means the policy learns shortcuts.",
+    "(steps_verified < steps_checked), judged from `min_correct` such rollouts. Outcome "
+    "reward reinforces these lucky or shortcut answers exactly like sound ones; the share "
+    "rising means the policy learns shortcuts.",
     remedy="add process supervision (step-level reward or a PRM); penalise correct answers with "
     "failed checks; inspect the listed rollouts.",
     metrics=("reasoning.step_accuracy",),

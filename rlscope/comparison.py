@@ -1,0 +1,302 @@
+"""`compare`: several runs side by side — deltas to a baseline, bootstrap intervals, findings."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rlscope.config import Config
+from rlscope.engine import FINAL_WINDOW_FRACTION
+from rlscope.errors import RlscopeError
+from rlscope.report import Report, json_safe, severity_rank
+
+ALIGNS = ("step", "progress")
+#: The bootstrap: resamples, confidence level and seed (fixed: the same runs give the same output).
+BOOTSTRAP_RESAMPLES = 2000
+CONFIDENCE = 0.95
+SEED = 0
+#: Fewest per-step values resampled from each run's final window.
+MIN_WINDOW_POINTS = 3
+
+
+@dataclass(frozen=True)
+class RunMetric:
+    """One metric in one run: summary, aligned series, and the difference to the baseline run."""
+
+    value: float | None
+    steps: tuple[int, ...]
+    x: tuple[float, ...]  # the alignment axis: steps, or the fraction of training (0..1)
+    values: tuple[float | None, ...]
+    delta: float | None = None  # value - baseline value (None for the baseline itself)
+    # CONFIDENCE interval of the difference of final-window means (bootstrap over steps).
+    interval: tuple[float, float] | None = None
+    # "better", "worse" (the interval excludes 0; by the metric's direction), "noise"
+    # (it does not), "differs" (excludes 0, the metric has no preferred direction), "" (baseline
+    # or no interval).
+    verdict: str = ""
+
+
+@dataclass(frozen=True)
+class MetricComparison:
+    """One metric across the runs; `runs[i]` is None where run i could not compute it."""
+
+    id: str
+    layer: str
+    title: str
+    better: str  # "up", "down" or "" (no preferred direction)
+    runs: tuple[RunMetric | None, ...]
+    missing: tuple[str | None, ...]  # per run, why it is missing (None where present)
+    healthiest: int | None  # index of the healthier run, when the difference exceeds the noise
+    summary: str  # one line: which run is healthier and why, or why none is called
+
+
+@dataclass(frozen=True)
+class FindingRow:
+    """One finding id across the runs: its severity in each (None where it did not fire)."""
+
+    id: str
+    layer: str
+    severities: tuple[str | None, ...]
+    messages: tuple[str | None, ...]
+
+    @property
+    def only_in(self) -> int | None:
+        """The index of the one run that has it, when exactly one of several runs does."""
+        marked = [i for i, s in enumerate(self.severities) if s is not None]
+        return marked[0] if len(marked) == 1 and len(self.severities) > 1 else None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Runs compared metric by metric against the first (the baseline)."""
+
+    reports: tuple[Report, ...]
+    labels: tuple[str, ...]  # unique display names: run_id, or run_id#i when two share one
+    align: str
+    metrics: dict[str, MetricComparison]
+    findings: tuple[FindingRow, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        from rlscope import __version__
+        from rlscope.schema import SCHEMA_VERSION
+
+        return {
+            "rlscope_version": __version__,
+            "schema_version": SCHEMA_VERSION,
+            "baseline": 0,
+            "align": self.align,
+            "bootstrap": {
+                "resamples": BOOTSTRAP_RESAMPLES,
+                "confidence": CONFIDENCE,
+                "seed": SEED,
+                "window": f"last {FINAL_WINDOW_FRACTION:.0%} of each run's steps, at least "
+                f"{MIN_WINDOW_POINTS}",
+            },
+            "runs": [
+                {
+                    "label": label,
+                    "path": r.run.path,
+                    "run_id": r.run.run_id,
+                    "steps": r.run.n_steps,
+                    "first_step": r.run.first_step,
+                    "last_step": r.run.last_step,
+                }
+                for label, r in zip(self.labels, self.reports, strict=True)
+            ],
+            "metrics": {
+                m.id: {
+                    "layer": m.layer,
+                    "title": m.title,
+                    "better": m.better,
+                    "healthiest": m.healthiest,
+                    "summary": m.summary,
+                    "runs": [
+                        _run_metric_dict(run, missing)
+                        for run, missing in zip(m.runs, m.missing, strict=True)
+                    ],
+                }
+                for m in self.metrics.values()
+            },
+            "findings": [
+                {
+                    "id": f.id,
+                    "layer": f.layer,
+                    "severities": list(f.severities),
+                    "messages": list(f.messages),
+                    "only_in": f.only_in,
+                }
+                for f in self.findings
+            ],
+        }
+
+
+def _run_metric_dict(run: RunMetric | None, missing: str | None) -> dict[str, Any]:
+    if run is None:
+        return {"value": None, "skipped": missing}
+    return json_safe(
+        {
+            "value": run.value,
+            "delta": run.delta,
+            "interval": list(run.interval) if run.interval else None,
+            "verdict": run.verdict,
+            "series": {"step": list(run.steps), "x": list(run.x), "value": list(run.values)},
+        }
+    )
+
+
+def compare(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    metrics: Iterable[str] | None = None,
+    align: str = "step",
+    steps: tuple[int | None, int | None] = (None, None),
+    config: Config | None = None,
+) -> Comparison:
+    """Analyse each run (read-only) and compare them against the first."""
+    from rlscope.analysis import analyze
+
+    if len(paths) < 2:
+        raise RlscopeError("compare needs at least two runs (the first is the baseline)")
+    metric_ids = list(metrics) if metrics is not None else None
+    reports = [analyze(p, steps=steps, metrics=metric_ids, config=config) for p in paths]
+    return compare_reports(reports, align=align)
+
+
+def compare_reports(reports: Sequence[Report], *, align: str = "step") -> Comparison:
+    """Compare already computed reports (the first is the baseline)."""
+    from rlscope.registry import METRICS, RULES, load_all
+
+    if align not in ALIGNS:
+        raise RlscopeError(f"align {align!r}: choose step or progress")
+    load_all()
+    ids = list(dict.fromkeys(i for r in reports for i in r.metrics))
+    skipped = [{s.metric: s.reason for s in r.skipped} for r in reports]
+    order = {m: n for n, m in enumerate(METRICS)}
+    ids.sort(key=lambda i: order.get(i, len(order)))
+    compared: dict[str, MetricComparison] = {}
+    for metric_id in ids:
+        declared = METRICS.get(metric_id)
+        present = [r.metrics.get(metric_id) for r in reports]
+        first = next(m for m in present if m is not None)
+        better = declared.better if declared is not None else ""
+        base = present[0]
+        runs: list[RunMetric | None] = []
+        for index, result in enumerate(present):
+            if result is None:
+                runs.append(None)
+                continue
+            x = _aligned(result.steps, reports[index], align)
+            run = RunMetric(result.value, result.steps, x, result.values)
+            if index > 0 and base is not None:
+                run = _versus(run, base.values, result.values, base.value, better)
+            runs.append(run)
+        missing = tuple(
+            None if m is not None else skipped[i].get(metric_id, "not computed")
+            for i, m in enumerate(present)
+        )
+        healthiest, summary = _healthiest(runs, better)
+        compared[metric_id] = MetricComparison(
+            metric_id, first.layer, first.title, better, tuple(runs), missing, healthiest, summary
+        )
+
+    finding_ids = list(dict.fromkeys(f.id for r in reports for f in r.findings))
+    rows = []
+    for finding_id in finding_ids:
+        severities: list[str | None] = []
+        messages: list[str | None] = []
+        layer = RULES[finding_id].layer if finding_id in RULES else ""
+        for report in reports:
+            hits = [f for f in report.findings if f.id == finding_id]
+            worst = max(hits, key=lambda f: severity_rank(f.severity)) if hits else None
+            severities.append(worst.severity if worst else None)
+            messages.append(worst.message if worst else None)
+            layer = worst.layer if worst else layer
+        rows.append(FindingRow(finding_id, layer, tuple(severities), tuple(messages)))
+    return Comparison(tuple(reports), run_labels(reports), align, compared, tuple(rows))
+
+
+def run_labels(reports: Sequence[Report]) -> tuple[str, ...]:
+    """Display names: the run_id, with `#i` appended where two runs share one."""
+    names = [r.run.run_id for r in reports]
+    return tuple(n if names.count(n) == 1 else f"{n}#{i + 1}" for i, n in enumerate(names))
+
+
+def _aligned(steps: tuple[int, ...], report: Report, align: str) -> tuple[float, ...]:
+    if align == "step":
+        return tuple(float(s) for s in steps)
+    first, last = report.run.first_step, report.run.last_step
+    if first is None or last is None or last == first:
+        return tuple(0.0 for _ in steps)
+    return tuple((s - first) / (last - first) for s in steps)
+
+
+def final_window(values: Sequence[float | None]) -> list[float]:
+    """The per-step values the bootstrap resamples: the last 10% of the defined ones, at least
+    MIN_WINDOW_POINTS (all of them when there are fewer)."""
+    valid = [v for v in values if v is not None and math.isfinite(v)]
+    n = max(MIN_WINDOW_POINTS, math.ceil(FINAL_WINDOW_FRACTION * len(valid)))
+    return valid[-n:]
+
+
+def bootstrap_difference(
+    base: Sequence[float], other: Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES
+) -> tuple[float, float] | None:
+    """CONFIDENCE percentile interval of mean(other) - mean(base), each resampled with
+    replacement (fixed seed); None when either has fewer than MIN_WINDOW_POINTS values."""
+    if len(base) < MIN_WINDOW_POINTS or len(other) < MIN_WINDOW_POINTS:
+        return None
+    rng = np.random.default_rng(SEED)
+    a = np.asarray(base, dtype=np.float64)
+    b = np.asarray(other, dtype=np.float64)
+    means_a = a[rng.integers(0, a.size, size=(resamples, a.size))].mean(axis=1)
+    means_b = b[rng.integers(0, b.size, size=(resamples, b.size))].mean(axis=1)
+    tail = (1 - CONFIDENCE) / 2
+    low, high = np.quantile(means_b - means_a, [tail, 1 - tail])
+    return float(low), float(high)
+
+
+def _versus(
+    run: RunMetric,
+    base_values: Sequence[float | None],
+    values: Sequence[float | None],
+    base_value: float | None,
+    better: str,
+) -> RunMetric:
+    delta = run.value - base_value if run.value is not None and base_value is not None else None
+    interval = bootstrap_difference(final_window(base_values), final_window(values))
+    verdict = ""
+    if interval is not None:
+        low, high = interval
+        if low <= 0 <= high:
+            verdict = "noise"
+        elif not better:
+            verdict = "differs"
+        else:
+            up = low > 0
+            verdict = "better" if up == (better == "up") else "worse"
+    return RunMetric(run.value, run.steps, run.x, run.values, delta, interval, verdict)
+
+
+def _healthiest(runs: Sequence[RunMetric | None], better: str) -> tuple[int | None, str]:
+    if not better:
+        return None, "no preferred direction"
+    if runs[0] is None:
+        return None, "the baseline cannot compute it"
+    others = [(i, r) for i, r in enumerate(runs) if i > 0 and r is not None]
+    if not others:
+        return None, "no other run computes it"
+    if all(r.interval is None for _, r in others):
+        return None, f"too few steps for an interval (< {MIN_WINDOW_POINTS})"
+    improved = [(i, r) for i, r in others if r.verdict == "better"]
+    if improved:
+        sign = 1 if better == "up" else -1
+        best = max(improved, key=lambda ir: sign * (ir[1].delta or 0.0))[0]
+        return best, f"run {best + 1} ({'higher' if better == 'up' else 'lower'} is healthier)"
+    if all(r.verdict == "worse" for _, r in others):
+        return 0, f"the baseline ({'higher' if better == 'up' else 'lower'} is healthier)"
+    return None, "within run-to-run noise"

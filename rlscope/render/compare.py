@@ -1,0 +1,162 @@
+"""A Comparison in the terminal: per layer, values, deltas with intervals, overlaid sparklines."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from rlscope.comparison import CONFIDENCE, MIN_WINDOW_POINTS, Comparison, MetricComparison
+from rlscope.render.sanitize import safe_text
+from rlscope.render.terminal import BLOCKS, SEVERITY_STYLE, format_value
+from rlscope.report import LAYERS
+
+SPARK_WIDTH = 20
+VERDICT_STYLE = {"better": "green", "worse": "red", "differs": "magenta", "noise": "dim"}
+VERDICT_MARK = {"better": "▲ better", "worse": "▼ worse", "differs": "≠ differs", "noise": "≈"}
+
+
+def aligned_sparklines(
+    series: Sequence[tuple[Sequence[float], Sequence[float | None]] | None], width: int
+) -> list[str]:
+    """One sparkline per (x, values) series on a shared x range and a shared y scale: bucket b
+    of every line covers the same stretch of x (steps or progress); empty buckets are blank."""
+    points = [
+        [(x, v) for x, v in zip(xs, vs, strict=True) if v is not None and math.isfinite(v)]
+        if s is not None
+        else []
+        for s in series
+        for xs, vs in [s or ((), ())]
+    ]
+    flat = [p for line in points for p in line]
+    if not flat:
+        return ["" for _ in series]
+    x_lo, x_hi = min(x for x, _ in flat), max(x for x, _ in flat)
+    buckets: list[list[float | None]] = []
+    for line in points:
+        sums = [0.0] * width
+        counts = [0] * width
+        for x, v in line:
+            b = 0 if x_hi == x_lo else min(width - 1, int((x - x_lo) / (x_hi - x_lo) * width))
+            sums[b] += v
+            counts[b] += 1
+        buckets.append([s / c if c else None for s, c in zip(sums, counts, strict=True)])
+    means = [v for line in buckets for v in line if v is not None]
+    y_lo, y_hi = min(means), max(means)
+    flat_line = y_hi - y_lo <= 1e-12 * max(1.0, abs(y_hi))
+    scale = 0.0 if flat_line else (len(BLOCKS) - 1) / (y_hi - y_lo)
+    out = []
+    for line in buckets:
+        chars = [
+            " " if v is None else BLOCKS[3] if flat_line else BLOCKS[round((v - y_lo) * scale)]
+            for v in line
+        ]
+        out.append("".join(chars).rstrip() if any(v is not None for v in line) else "")
+    return out
+
+
+def _run_cell(metric: MetricComparison, index: int, curve: str) -> Text:
+    """Value and verdict; the delta to the baseline with its interval; the curve."""
+    run = metric.runs[index]
+    if run is None:
+        return Text(safe_text(f"— ({metric.missing[index]})"), style="dim")
+    text = Text(format_value(run.value))
+    if run.verdict:
+        text.append(" " + VERDICT_MARK[run.verdict], style=VERDICT_STYLE[run.verdict])
+    if index > 0 and run.delta is not None:
+        text.append(f"\nΔ {run.delta:+.3g}")
+        if run.interval is not None:
+            low, high = run.interval
+            text.append(f" [{low:+.3g}, {high:+.3g}]")
+    text.append("\n" + curve, style="blue")
+    return text
+
+
+def _healthier(metric: MetricComparison) -> Text:
+    arrow = {"up": "↑", "down": "↓"}.get(metric.better, "")
+    if not metric.better:
+        return Text("— (no direction)", style="dim")
+    if metric.healthiest is None:
+        short = "≈ noise" if metric.summary == "within run-to-run noise" else "n/a"
+        return Text(f"{short} {arrow}", style="dim")
+    who = "baseline" if metric.healthiest == 0 else f"run {metric.healthiest + 1}"
+    return Text(f"{who} {arrow}", style="bold")
+
+
+def _layer_panel(comparison: Comparison, layer: str) -> Panel | None:
+    metrics = [m for m in comparison.metrics.values() if m.layer == layer]
+    if not metrics:
+        return None
+    table = Table(box=None, pad_edge=False, padding=(0, 2), show_lines=False)
+    table.add_column("metric", no_wrap=True)
+    for i in range(len(comparison.reports)):
+        name = "baseline" if i == 0 else f"run {i + 1}"
+        table.add_column(name, no_wrap=True, min_width=SPARK_WIDTH)
+    table.add_column("healthier", no_wrap=True)
+    for metric in metrics:
+        curves = aligned_sparklines(
+            [(r.x, r.values) if r is not None else None for r in metric.runs], SPARK_WIDTH
+        )
+        cells = [_run_cell(metric, i, curves[i]) for i in range(len(comparison.reports))]
+        table.add_row(Text(safe_text(metric.id), style="bold"), *cells, _healthier(metric))
+    return Panel(table, title=f"{layer} {LAYERS.get(layer, layer)}", title_align="left")
+
+
+def _findings_panel(comparison: Comparison) -> Panel:
+    if not comparison.findings:
+        return Panel(Text("No findings in any run.", style="green"), title="Findings")
+    table = Table(box=None, pad_edge=False, padding=(0, 2))
+    table.add_column("finding", no_wrap=True)
+    for label in comparison.labels:
+        table.add_column(Text(safe_text(label)), no_wrap=True)
+    table.add_column("")
+    for row in comparison.findings:
+        cells = [
+            Text(s.upper(), style=SEVERITY_STYLE.get(s, "")) if s else Text("—", style="dim")
+            for s in row.severities
+        ]
+        only = row.only_in
+        note = (
+            Text(safe_text(f"only {comparison.labels[only]}"), style="bold")
+            if only is not None
+            else Text("")
+        )
+        table.add_row(Text(safe_text(f"{row.id} ({row.layer})"), style="bold"), *cells, note)
+    return Panel(table, title="Findings", title_align="left")
+
+
+def render_comparison(comparison: Comparison, console: Console) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for i, (label, report) in enumerate(zip(comparison.labels, comparison.reports, strict=True)):
+        run = report.run
+        span = f"{run.first_step}–{run.last_step}" if run.first_step is not None else "no steps"
+        role = "baseline" if i == 0 else f"run {i + 1}"
+        grid.add_row(role, Text(safe_text(f"{label}  {run.path}  steps {span}")))
+    grid.add_row("aligned by", "step" if comparison.align == "step" else "fraction of training")
+    parts: list = [Panel(grid, title="rlscope compare", title_align="left")]
+    for layer in LAYERS:
+        panel = _layer_panel(comparison, layer)
+        if panel is not None:
+            parts.append(panel)
+    parts.append(_findings_panel(comparison))
+    parts.append(
+        Text(
+            f"Δ = value − baseline value (final-window means); [a, b] = {CONFIDENCE:.0%} bootstrap "
+            "interval of the difference over each run's final-window steps (last 10%, at least "
+            f"{MIN_WINDOW_POINTS}); ▲/▼ only when it excludes 0. Curves share each metric's "
+            "x range and y scale.",
+            style="dim",
+        )
+    )
+    console.print(Group(*parts))
+
+
+def render_comparison_json(comparison: Comparison) -> str:
+    return json.dumps(comparison.to_dict(), indent=2, ensure_ascii=True, allow_nan=False)
