@@ -34,6 +34,7 @@ samples: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_analyze.py
+	$(BIN)/python benchmarks/bench_text.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

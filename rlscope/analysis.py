@@ -69,6 +69,9 @@ def analyze(
         last_step=max(step_values) if step_values else None,
         n_rollouts=int(groups["n"].sum()) if groups is not None else run.row_count("rollouts"),
         n_groups=train_groups.height if train_groups is not None else 0,
+        n_eval_rollouts=int(groups.filter(pl.col("split") != "train")["n"].sum())
+        if groups is not None
+        else 0,
         n_tokens=run.row_count("tokens"),
         tables=tuple(run.tables),
         meta=dict(run.meta),

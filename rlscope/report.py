@@ -82,6 +82,7 @@ class RunInfo:
     n_tokens: int
     tables: tuple[str, ...]
     meta: dict[str, Any] = field(default_factory=dict)
+    n_eval_rollouts: int = 0  # of n_rollouts, those of eval splits
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class Report:
                 "first_step": run.first_step,
                 "last_step": run.last_step,
                 "rollouts": run.n_rollouts,
+                "eval_rollouts": run.n_eval_rollouts,
                 "groups": run.n_groups,
                 "tokens": run.n_tokens,
                 "tables": list(run.tables),

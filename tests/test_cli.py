@@ -114,7 +114,7 @@ def test_analyze_json_is_strict_and_complete(healthy: Path) -> None:
         series = metric["series"]
         assert len(series["step"]) == len(series["value"]) > 0, metric_id
         assert series["step"] == sorted(series["step"])
-    assert doc["run"]["rollouts"] == 30 * 8 * 8
+    assert doc["run"]["rollouts"] - doc["run"]["eval_rollouts"] == 30 * 8 * 8
     assert doc["metrics"]["signal.pass_at_k"]["k"] == 8
     assert set(doc["metrics"]["signal.pass_at_k"]["components"]) == {
         "pass@1",
@@ -128,7 +128,7 @@ def test_steps_range(healthy: Path) -> None:
     result = rlscope("analyze", str(healthy), "--format", "json", "--steps", "5:9")
     doc = json.loads(result.stdout)
     assert doc["metrics"]["signal.reward"]["series"]["step"] == [5, 6, 7, 8, 9]
-    assert doc["run"]["rollouts"] == 5 * 8 * 8
+    assert doc["run"]["rollouts"] - doc["run"]["eval_rollouts"] == 5 * 8 * 8
 
 
 def test_fail_on_levels(truncating: Path) -> None:

@@ -72,7 +72,11 @@ def _header(report: Report) -> Panel:
         ("run", f"{run.run_id}  [{run.algorithm}]"),
         ("path", run.path),
         ("steps", steps),
-        ("rollouts", f"{run.n_rollouts:,} in {run.n_groups:,} train groups"),
+        (
+            "rollouts",
+            f"{run.n_rollouts - run.n_eval_rollouts:,} train in {run.n_groups:,} groups"
+            + (f", {run.n_eval_rollouts:,} eval" if run.n_eval_rollouts else ""),
+        ),
         ("tokens", f"{run.n_tokens:,}"),
         ("tables", ", ".join(run.tables)),
     ):
