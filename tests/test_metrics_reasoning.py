@@ -82,9 +82,15 @@ def test_self_consistency(write_run: WriteRun, check_series: CheckSeries, seed: 
             gap[step] = first[step] = maj[step] = acc[step] = None
             continue
         gap[step] = float(np.mean([u - a for a, u, _ in stats]))
+        baseline = [1.0 if a > 0.5 else 0.5 if a == 0.5 else 0.0 for a, _, _ in stats]
+        maj[step], acc[step] = float(np.mean(baseline)), float(np.mean([a for a, _, _ in stats]))
         first[step] = float(np.mean([f for _, _, f in stats]))
     check_series(results["reasoning.self_consistency_gap"], gap)
     check_series(results["reasoning.maj_at_n_first"], first)
+    frame = compute(open_run(path)).frames["reasoning.self_consistency_gap"].sort("step")
+    for row in frame.iter_rows(named=True):
+        assert row["extra_majority_baseline"] == pytest.approx(maj[row["step"]])
+        assert row["extra_mean_accuracy"] == pytest.approx(acc[row["step"]])
 
 
 def test_eval_metrics(write_run: WriteRun, check_series: CheckSeries) -> None:

@@ -62,6 +62,14 @@ def _consistency_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
             (pl.col("maj") - pl.col("accuracy")).mean().alias("value"),
             pl.col("maj").mean().alias("extra_maj_at_n"),
             pl.col("accuracy").mean().alias("extra_mean_accuracy"),
+            # maj@N if every wrong rollout of a group gave the same answer: 1 above half right,
+            # 1/2 at exactly half (a tie). maj@N above it = right answers win pluralities.
+            (
+                (pl.col("accuracy") > 0.5).cast(pl.Float64)
+                + 0.5 * (pl.col("accuracy") == 0.5).cast(pl.Float64)
+            )
+            .mean()
+            .alias("extra_majority_baseline"),
         )
     )
 
@@ -92,7 +100,8 @@ register_metric(
         "group's mean accuracy, averaged over the step's groups. Large = the policy's paths "
         "disagree but the right answer is the most common one: majority voting would pay, and "
         "the policy is not yet reliable. Near 0 = paths converge (on right or wrong answers). "
-        "`components` has maj@N and the mean accuracy.",
+        "`components` has maj@N, the mean accuracy and the majority baseline (maj@N if all of a "
+        "group's wrong rollouts agreed: 1 above half right, 1/2 at half).",
         healthy="small and shrinking as the policy becomes reliable",
         references="Wang et al. 2022, self-consistency (arXiv 2203.11171)",
         variants=(_vote_variant(_consistency_gap),),

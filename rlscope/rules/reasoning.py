@@ -8,7 +8,14 @@ import polars as pl
 
 from rlscope.registry import Param, rule
 from rlscope.report import Finding
-from rlscope.rules.base import RuleContext, example_ids, final_mean, level_severity, pct
+from rlscope.rules.base import (
+    RuleContext,
+    example_ids,
+    final_mean,
+    level_severity,
+    pct,
+    window_size,
+)
 
 
 def _later_probes(ctx: RuleContext) -> pl.DataFrame | None:
@@ -184,31 +191,42 @@ def bias_following(ctx: RuleContext) -> Iterator[Finding]:
     "self-consistency-headroom",
     layer="L6",
     title="Majority voting would pay",
-    doc="Final-window reasoning.self_consistency_gap (maj@N − mean accuracy, per group) at least "
-    "`min_gap`: the group's paths disagree, but the right answer is the most common one. Not a "
-    "fault: the policy knows the answer but is not reliable yet; maj@N at inference, or "
-    "training toward consistency, would gain this much.",
-    remedy="report maj@N next to pass@1; consider self-consistency at inference; keep training "
+    doc="Over the final fifth of the steps, reasoning.self_consistency_gap (maj@N − mean "
+    "accuracy, per group) is at least `min_gap`, and maj@N beats by at least "
+    "`min_plurality_gain` the majority baseline: what voting gives when all of a group's wrong "
+    "rollouts agree (1 for a group more than half right, 1/2 at exactly half). Any policy more "
+    "often right than wrong gains from voting by that rounding alone, so the gap by itself "
+    "says little; beyond the baseline, the right answer wins pluralities in groups that are "
+    "mostly wrong: the errors are scattered and the right path is the consistent one (Wang et "
+    "al.'s self-consistency). Not a fault: information.",
+    remedy="report maj@N next to pass@1; use self-consistency at inference; keep training "
     "(the gap should shrink as the policy becomes reliable).",
     metrics=("reasoning.self_consistency_gap",),
-    params={"min_gap": Param(0.1, "final-window maj@N − mean accuracy")},
+    params={
+        "min_gap": Param(0.1, "final maj@N − mean accuracy"),
+        "min_plurality_gain": Param(0.05, "final maj@N − the majority baseline"),
+    },
     severity="info",
 )
 def self_consistency_headroom(ctx: RuleContext) -> Iterator[Finding]:
-    series = ctx.series("reasoning.self_consistency_gap")
-    if series is None or len(series) == 0:
+    frame = ctx.frame("reasoning.self_consistency_gap")
+    if frame is None or frame.height == 0:
         return
-    gap = final_mean(series)
-    if gap < ctx.params["min_gap"]:
+    frame = frame.filter(pl.col("value").is_not_null()).sort("step")
+    window = frame.tail(window_size(frame.height, 0.2))
+    gap = float(window["value"].mean())
+    maj = float(window["extra_maj_at_n"].mean())
+    mean = float(window["extra_mean_accuracy"].mean())
+    plurality = maj - float(window["extra_majority_baseline"].mean())
+    if gap < ctx.params["min_gap"] or plurality < ctx.params["min_plurality_gain"]:
         return
-    parts = ctx.results["reasoning.self_consistency_gap"].extra.get("components", {})
-    maj, mean = parts.get("maj_at_n"), parts.get("mean_accuracy")
     yield ctx.finding(
-        f"maj@N beats the mean accuracy by {gap:.2f} over the last steps"
-        + (f" ({maj:.2f} vs {mean:.2f})" if maj is not None and mean is not None else "")
-        + ".",
+        f"maj@N beats the mean accuracy by {gap:.2f} over the last steps ({maj:.2f} vs "
+        f"{mean:.2f}), {plurality:.2f} of it beyond a plain majority: the right answer is the "
+        "most common one even in mostly-wrong groups.",
         final_value=gap,
-        steps=[int(series.steps[-1])],
+        plurality_gain=plurality,
+        steps=[int(window["step"][0]), int(window["step"][-1])],
     )
 
 
