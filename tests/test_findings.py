@@ -104,3 +104,30 @@ def test_config_overrides_thresholds_and_disables(tmp_path: Path) -> None:
     info = Config(findings={"truncation": {"severity": "info", "critical_at": 2.0}})
     found = [f for f in analyze(path, config=info).findings if f.id == "truncation"]
     assert [f.severity for f in found] == ["info"]
+
+
+ROLLOUT_FINDINGS = (
+    "format-violations",
+    "repetition",
+    "redundant-tool-calls",
+    "diversity-collapse",
+    "ood-gap",
+    "unfaithful-cot",
+    "encoded-reasoning",
+    "bias-following",
+    "self-consistency-headroom",
+    "step-errors",
+)
+
+
+@pytest.mark.parametrize("scenario", ROLLOUT_FINDINGS)
+def test_finding_names_rollouts_of_the_run(tmp_path: Path, scenario: str) -> None:
+    """The evidence names example rollouts that exist, so a person can open them."""
+    import polars as pl
+
+    path = generate(tmp_path / scenario, scenario, seed=5, tokens=False, **SIZES["short-small"])
+    finding = next(f for f in analyze(path, config=Config()).findings if f.id == scenario)
+    ids = finding.evidence["rollout_ids"]
+    assert ids and len(ids) == len(set(ids))
+    known = pl.scan_parquet(path / "rollouts" / "*.parquet").select("rollout_id").collect()
+    assert set(ids) <= set(known["rollout_id"].to_list())

@@ -73,4 +73,22 @@ def ood_gap(ctx: RuleContext) -> Iterator[Finding]:
         gap_last=last,
         z=z,
         steps=[int(steps[0]), int(steps[-1])],
+        rollout_ids=_failed_ood(ctx, int(steps[-1])),
     )
+
+
+def _failed_ood(ctx: RuleContext, step: int) -> list[int]:
+    """Incorrect OOD eval rollouts of the last eval step (a small scan of a few columns)."""
+    frame = (
+        ctx.run.scan("rollouts")
+        .filter(
+            (pl.col("step") == step)
+            & (pl.col("split").str.starts_with("eval_ood"))
+            & ~pl.col("correct")
+        )
+        .select("rollout_id")
+        .sort("rollout_id")
+        .head(5)
+        .collect()
+    )
+    return [int(i) for i in frame["rollout_id"].to_list()]

@@ -220,14 +220,37 @@ def self_consistency_headroom(ctx: RuleContext) -> Iterator[Finding]:
     plurality = maj - float(window["extra_majority_baseline"].mean())
     if gap < ctx.params["min_gap"] or plurality < ctx.params["min_plurality_gain"]:
         return
+    first = int(window["step"][0])
     yield ctx.finding(
         f"maj@N beats the mean accuracy by {gap:.2f} over the last steps ({maj:.2f} vs "
         f"{mean:.2f}), {plurality:.2f} of it beyond a plain majority: the right answer is the "
         "most common one even in mostly-wrong groups.",
         final_value=gap,
         plurality_gain=plurality,
-        steps=[int(window["step"][0]), int(window["step"][-1])],
+        steps=[first, int(window["step"][-1])],
+        rollout_ids=_plurality_group(ctx, first),
     )
+
+
+def _plurality_group(ctx: RuleContext, first: int) -> list[int]:
+    """The rollouts of the latest mostly-wrong group whose plurality answer was right."""
+    from rlscope.metrics.reasoning import GROUP, majority_vote
+
+    rows = ctx.rollout_rows()
+    if rows is None or "answer_key" not in rows.columns:
+        return []
+    recent = rows.lazy().filter(pl.col("step") >= first)
+    won = (
+        majority_vote(recent)
+        .filter((pl.col("accuracy") < 0.5) & (pl.col("maj") > 0.5))
+        .sort("step", "prompt_id", descending=[True, False])
+        .head(1)
+        .collect()
+    )
+    if won.height == 0:
+        return []
+    members = rows.join(won.select(GROUP), on=list(GROUP)).sort("rollout_id")
+    return [int(i) for i in members["rollout_id"].head(8).to_list()]
 
 
 @rule(
