@@ -317,3 +317,46 @@ def test_formats_lists_importers() -> None:
     assert all(name in listing.stdout for name in ("verl", "verl-metrics", "trl", "jsonl"))
     detail = rlscope("formats", "trl")
     assert detail.returncode == 0 and "Options:" in detail.stdout
+
+
+UPPER_METRICS = [
+    "behavior.format_ok",
+    "behavior.repetition",
+    "behavior.redundant_tool_calls",
+    "behavior.segment_len.think",
+    "behavior.entropy.think",
+    "exploration.unique_frac",
+    "exploration.pairwise_diversity",
+    "exploration.cluster_sizes",
+    "generalization.eval_id",
+    "generalization.eval_ood",
+    "generalization.ood_gap",
+    "reasoning.self_consistency_gap",
+    "reasoning.maj_at_n_first",
+    "reasoning.answer_unchanged.truncate",
+    "reasoning.early_answer_aoc",
+    "reasoning.bias_following",
+    "reasoning.step_accuracy",
+]
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_logs" / "healthy"
+
+
+def test_sample_has_every_layer() -> None:
+    """The shipped healthy sample carries text, eval splits and probes: L1-L6 all computed."""
+    doc = json.loads(rlscope("analyze", str(SAMPLE), "--format", "json").stdout)
+    assert set(UPPER_METRICS) <= set(doc["metrics"])
+    assert {m["layer"] for m in doc["metrics"].values()} == {"L1", "L2", "L3", "L4", "L5", "L6"}
+    assert doc["findings"] == []
+    curve = doc["metrics"]["reasoning.early_answer_aoc"]["curve"]
+    assert curve["fraction"] == sorted(curve["fraction"]) and curve["unchanged"][-1] == 1.0
+
+
+def test_show_and_rollouts_on_the_sample() -> None:
+    listed = rlscope("rollouts", str(SAMPLE), "--filter", "correct == true", "--format", "json")
+    assert listed.returncode == 0, listed.stderr
+    first = json.loads(listed.stdout)["rollouts"][0]["rollout_id"]
+    shown = rlscope("show", str(SAMPLE), str(first), env={"NO_COLOR": "1"})
+    assert shown.returncode == 0, shown.stderr
+    assert "think" in shown.stdout and "answer" in shown.stdout
+    as_json = json.loads(rlscope("show", str(SAMPLE), str(first), "--format", "json").stdout)
+    assert as_json["probes"] and as_json["segments"]
