@@ -81,6 +81,16 @@ def parse_steps(text: str | None) -> tuple[int | None, int | None]:
     return bounds
 
 
+def parse_ids(text: str | None) -> list[str] | None:
+    """`--metrics a,b` into ids (None: all)."""
+    return [m.strip() for m in text.split(",") if m.strip()] if text else None
+
+
+def check_align(align: str) -> None:
+    if align not in ("step", "progress"):
+        raise RlscopeError(f"--align {align!r}: choose step or progress")
+
+
 def parse_pairs(values: list[str], flag: str) -> dict[str, str]:
     """`KEY=VALUE` strings (repeated flags, or comma-separated) into a dict."""
     pairs: dict[str, str] = {}
@@ -170,7 +180,7 @@ def analyze(
         if fail_on not in FAIL_LEVELS:
             raise RlscopeError(f"--fail-on {fail_on!r}: choose one of {', '.join(FAIL_LEVELS)}")
         step_range = parse_steps(steps)
-        metric_ids = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
+        metric_ids = parse_ids(metrics)
         settings = load_config(config)
         if option and from_format is None:
             raise RlscopeError("--option is for imports: use it with --from FORMAT")
@@ -554,9 +564,8 @@ def compare(
     try:
         if format not in ("text", "json"):
             raise RlscopeError(f"--format {format!r}: choose text or json")
-        if align not in ("step", "progress"):
-            raise RlscopeError(f"--align {align!r}: choose step or progress")
-        metric_ids = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
+        check_align(align)
+        metric_ids = parse_ids(metrics)
         with _progress(f"comparing {len(runs)} runs"):
             comparison = run_compare(
                 runs,
@@ -713,9 +722,8 @@ def report(
     from rlscope.render.html import write_report
 
     try:
-        if align not in ("step", "progress"):
-            raise RlscopeError(f"--align {align!r}: choose step or progress")
-        metric_ids = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
+        check_align(align)
+        metric_ids = parse_ids(metrics)
         with _progress(f"reporting on {len(runs)} run(s)"):
             path = write_report(
                 runs,
