@@ -36,14 +36,17 @@ def ensure_run(tokens: int) -> Path:
     """A cached healthy synthetic run with about `tokens` token rows."""
     from rlscope.synth import generate
 
-    path = CACHE / f"healthy-{tokens}"
+    path = CACHE / f"healthy-notext-{tokens}"
     if (path / "run.json").exists():
         return path
     prompts, group = 256, 8
     tokens_per_step = prompts * group * 48  # ~48 tokens per synthetic response on average
     steps = max(10, round(tokens / tokens_per_step))
     t0 = time.perf_counter()
-    generate(path, "healthy", steps=steps, prompts_per_step=prompts, group_size=group, seed=0)
+    # No rollout text: this benchmark is about the token scans (bench_text.py times the text).
+    generate(
+        path, "healthy", steps=steps, prompts_per_step=prompts, group_size=group, seed=0, text=False
+    )
     print(f"generated {path.name} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return path
 

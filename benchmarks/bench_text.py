@@ -65,7 +65,7 @@ def main() -> None:
         "",
         f"Machine: {platform.platform()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; median of {args.repeat} runs; healthy synthetic runs with "
-        "rollout text (~40-130 words), eval splits and probes, no token table "
+        "rollout text (~60 words), eval splits and probes, no token table "
         "(`benchmarks/bench_text.py`).",
         "",
         "| responses | all metrics (s) | peak RSS (GiB) | without text metrics (s) "
