@@ -436,6 +436,7 @@ def _segment_tokens(segment: str) -> Variant:
         series,
         partials,
         source="tokens.segment: tokens per rollout that has the segment",
+        empty_reason=f"no token labelled `{segment}` in the tokens table's segment column",
         level="segments",
     )
 
@@ -450,6 +451,7 @@ def _segment_entropy(segment: str) -> Variant:
         ("segment", "entropy"),
         series,
         dict([("ent_sum", f64("entropy").sum()), ENT_N]),
+        empty_reason=f"no token labelled `{segment}` (with an entropy) in the tokens table",
         level="segments",
     )
 
