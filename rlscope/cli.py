@@ -29,6 +29,12 @@ app = typer.Typer(
 )
 
 FAIL_LEVELS = ("info", "warn", "critical", "never")
+# Options several commands share.
+StepsOption = Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")]
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
+]
 
 
 def _stdout() -> Console:
@@ -130,17 +136,14 @@ def _progress(what: str) -> Iterator[Callable[[int, int], None] | None]:
 def analyze(
     run: Annotated[Path, typer.Argument(help="Run directory (run.json + Parquet tables).")],
     format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
-    steps: Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")] = None,
+    steps: StepsOption = None,
     fail_on: Annotated[
         str, typer.Option(help="Exit 1 on a finding at or above: info, warn, critical, never.")
     ] = "critical",
     metrics: Annotated[
         str | None, typer.Option(help="Comma-separated metric ids to compute (default: all).")
     ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
-    ] = None,
+    config: ConfigOption = None,
     from_format: Annotated[
         str | None,
         typer.Option(
@@ -348,10 +351,7 @@ def rollouts_command(
     ] = None,
     limit: Annotated[int, typer.Option(min=0, help="Show at most N rollouts.")] = 20,
     format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
-    config: Annotated[
-        Path | None,
-        typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
-    ] = None,
+    config: ConfigOption = None,
 ) -> None:
     """List rollouts named by a finding and/or matching a filter, sorted by step and id.
 
@@ -535,11 +535,8 @@ def compare(
     align: Annotated[
         str, typer.Option(help="Align curves by `step`, or by `progress` (fraction of training).")
     ] = "step",
-    steps: Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
-    ] = None,
+    steps: StepsOption = None,
+    config: ConfigOption = None,
 ) -> None:
     """Compare runs side by side: every metric per run, its delta to the first run with a
     bootstrap interval, which run is healthier, overlaid curves, and findings per run.
@@ -608,7 +605,7 @@ def check(
     format: Annotated[
         str, typer.Option("--format", "-f", help="text, json, junit, github or markdown.")
     ] = "text",
-    steps: Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")] = None,
+    steps: StepsOption = None,
     exit_zero: Annotated[
         bool, typer.Option("--exit-zero", help="Report breaches but exit 0.")
     ] = False,
@@ -698,11 +695,8 @@ def report(
     align: Annotated[
         str, typer.Option(help="Align runs by `step`, or by `progress` (fraction of training).")
     ] = "step",
-    steps: Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
-    ] = None,
+    steps: StepsOption = None,
+    config: ConfigOption = None,
 ) -> None:
     """Write one self-contained HTML report (inline SVG, no script, opens offline).
 
