@@ -32,6 +32,8 @@ samples: $(STAMP)
 	$(BIN)/rlscope synth sample_logs/entropy-collapse --scenario entropy-collapse --steps 100 \
 		--prompts 16 --seed 2 --no-tokens
 
+# Generates 10M / 100M / 1B-token runs into .bench/ on first use (~15 GB, ~20 min), then times
+# analyze, a bare scan and DuckDB: expect ~40 min in all on 2 cores.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_analyze.py
 	$(BIN)/python benchmarks/bench_text.py

@@ -1,4 +1,6 @@
-"""Time `rlscope analyze` against a bare streaming scan of the same token columns; peak RSS too."""
+"""`rlscope analyze` against a bare streaming scan of the token columns it reads and DuckDB
+computing the same token aggregates, at 10M / 100M / 1B token rows; then incremental re-analysis
+after a token file is appended. Wall time (median), peak RSS; writes benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -7,121 +9,306 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".bench"
+RLSCOPE = [sys.executable, "-m", "rlscope"]
+#: The token columns `analyze` reads on these runs (checked against its plan in `main`).
 TOKEN_COLUMNS = [
-    "step",
     "rollout_id",
+    "step",
     "logprob",
     "old_logprob",
     "ref_logprob",
     "entropy",
     "advantage",
+    "clipped",
+    "segment",
 ]
 
+# The floor: Polars' streaming engine decoding every column analyze reads, one trivial
+# aggregate per column so nothing is skipped.
 BARE_SCAN = """
 import sys, polars as pl
-lf = pl.scan_parquet(sys.argv[1] + "/tokens/**/*.parquet")
+lf = pl.scan_parquet(sys.argv[1] + "/tokens/*.parquet")
 cols = {cols!r}
-lf.select([pl.col(c).cast(pl.Float64).sum() for c in cols]).collect()
+lf.select([pl.col(c).cast(pl.Float64).sum() if c != "segment" else pl.col(c).count()
+           for c in cols]).collect(engine="streaming")
+"""
+
+# The same token aggregates in DuckDB: per-step sums (NaN/inf as null, as rlscope reads them),
+# the per-(step, entropy bin) histogram, per-(step, segment) sums with distinct rollouts, and
+# token rows per (step, rollout_id) (the orphan check). One query per result, as a DuckDB
+# user would write them; DuckDB reads the Parquet files once per query.
+DUCKDB = """
+import sys, duckdb
+con = duckdb.connect()
+con.execute("SET threads TO {threads}")
+files = sys.argv[1] + "/tokens/*.parquet"
+def ok(c):
+    return f"CASE WHEN isfinite({{c}}) THEN {{c}}::DOUBLE END"
+lp, old, ref, adv, ent = (ok(c) for c in ("logprob", "old_logprob", "ref_logprob", "advantage",
+                                           "entropy"))
+queries = [
+    f\"\"\"SELECT step, count(*), sum(clipped::DOUBLE), count(clipped),
+        sum((exp({{lp}} - {{old}}) < 0.8 AND {{adv}} < 0)::INT),
+        sum((exp({{lp}} - {{old}}) > 1.28 AND {{adv}} > 0)::INT),
+        count(exp({{lp}} - {{old}}) + {{adv}}),
+        sum(exp({{ref}} - {{lp}}) - ({{ref}} - {{lp}}) - 1), count({{ref}} - {{lp}}),
+        sum({{old}} - {{lp}}), count({{old}} - {{lp}}), sum({{ent}}), count({{ent}}),
+        sum(-{{lp}}), count({{lp}}), count({{lp}} + {{adv}}), sum({{lp}} + 0 * {{adv}}),
+        sum({{adv}} + 0 * {{lp}}), sum({{lp}} * {{adv}}),
+        sum((NOT isfinite(logprob))::INT), sum((NOT isfinite(entropy))::INT)
+      FROM read_parquet('{{files}}') GROUP BY step\"\"\",
+    f\"\"\"SELECT step, least(floor(ln(1 + greatest({{ent}}, 0) / 0.05) * 100), 1000) AS bin,
+        count(*) FROM read_parquet('{{files}}') WHERE {{ent}} IS NOT NULL GROUP BY ALL\"\"\",
+    f\"\"\"SELECT step, segment, count(*), count(DISTINCT rollout_id), sum({{ent}}),
+        count({{ent}}) FROM read_parquet('{{files}}') WHERE segment IS NOT NULL
+        GROUP BY ALL\"\"\",
+    f\"\"\"SELECT step, rollout_id, count(*) FROM read_parquet('{{files}}') GROUP BY ALL\"\"\",
+]
+for q in queries:
+    con.execute(q).fetchall()
 """
 
 
-def ensure_run(tokens: int) -> Path:
-    """A cached healthy synthetic run with about `tokens` token rows."""
-    from rlscope.synth import generate
+#: The run shape: 128 prompts x 8 rollouts per step, responses of ~1.1k tokens (the synthetic
+#: lengths x 20), i.e. ~1.14M token rows per step and ~1M rollouts per billion tokens.
+PROMPTS, GROUP, LENGTH_SCALE, TOKENS_PER_STEP = 128, 8, 20.0, 1_140_000
 
-    path = CACHE / f"healthy-notext-{tokens}"
+
+def ensure_run(tokens: int, cache: Path = CACHE) -> Path:
+    """A cached healthy synthetic run (no text) with about `tokens` token rows: the shape above,
+    or fewer prompts per step for runs of under 10 steps' worth."""
+    path = cache / f"long-{tokens}"
     if (path / "run.json").exists():
         return path
-    prompts, group = 256, 8
-    tokens_per_step = prompts * group * 48  # ~48 tokens per synthetic response on average
-    steps = max(10, round(tokens / tokens_per_step))
+    steps = max(10, round(tokens / TOKENS_PER_STEP))
+    prompts = min(PROMPTS, max(1, round(tokens / steps / (TOKENS_PER_STEP / PROMPTS))))
     t0 = time.perf_counter()
     # No rollout text: this benchmark is about the token scans (bench_text.py times the text).
-    generate(
-        path, "healthy", steps=steps, prompts_per_step=prompts, group_size=group, seed=0, text=False
+    subprocess.run(
+        [
+            *RLSCOPE,
+            "synth",
+            str(path),
+            "--steps",
+            str(steps),
+            "--prompts",
+            str(prompts),
+            "--group-size",
+            str(GROUP),
+            "--length-scale",
+            str(LENGTH_SCALE),
+            "--no-text",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     print(f"generated {path.name} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return path
 
 
-def timed(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GiB) of one child process."""
+def timed(
+    cmd: list[str], env: dict[str, str] | None = None, stdout: Path | None = None
+) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GiB) of one child process (its output to `stdout` if given)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
+    with open(stdout or os.devnull, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
         raise SystemExit(f"{cmd} failed with status {status}")
     return time.perf_counter() - t0, usage.ru_maxrss / 2**20
 
 
-def token_rows(path: Path) -> int:
+def median(cmd: list[str], repeat: int, env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Median wall time over `repeat` runs, and the largest peak RSS."""
+    runs = [timed(cmd, env) for _ in range(repeat)]
+    return sorted(t for t, _ in runs)[repeat // 2], max(r for _, r in runs)
+
+
+def token_rows(path: Path) -> tuple[int, int]:
     import pyarrow.parquet as pq
 
-    return sum(pq.read_metadata(f).num_rows for f in (path / "tokens").rglob("*.parquet"))
+    files = sorted((path / "tokens").glob("*.parquet"))
+    return sum(pq.read_metadata(f).num_rows for f in files), len(files)
+
+
+def analyze_cmd(run: Path, *extra: str) -> list[str]:
+    return [*RLSCOPE, "analyze", str(run), "--format", "json", "--fail-on", "never", *extra]
+
+
+def check_columns(run: Path) -> None:
+    """The bare scan and DuckDB read what analyze reads."""
+    from rlscope.engine import Context, _token_plan, plan
+    from rlscope.reader import open_run
+    from rlscope.registry import METRICS, load_all
+
+    load_all()
+    opened = open_run(run)
+    chosen, _ = plan(METRICS.values(), opened)
+    by_level: dict[str, list] = {"": []}
+    for variant in chosen.values():
+        if variant.table == "tokens":
+            by_level.setdefault(variant.level, []).append(variant)
+    read = _token_plan(opened, by_level, Context(opened)).columns(opened.tables["tokens"].schema)
+    if sorted(read) != sorted(TOKEN_COLUMNS):
+        raise SystemExit(f"analyze reads {read}, the baselines {TOKEN_COLUMNS}")
+
+
+def incremental(run: Path, repeat: int) -> dict[str, float]:
+    """A copy of the run (hard links) without its last token file is analysed once to fill a
+    fresh cache; then the file is linked in (a trainer appending a file) and re-analysed."""
+    work = run.parent / f"incremental-{run.name}"
+    cache = run.parent / f"partials-{run.name}"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    shutil.copytree(run, work, copy_function=os.link)
+    last = sorted((work / "tokens").glob("*.parquet"))[-1]
+    held = run.parent / "held.parquet"
+    os.replace(last, held)
+    env = {**os.environ, "RLSCOPE_CACHE_DIR": str(cache)}
+    fill = timed(analyze_cmd(work), env)
+    cached = median(analyze_cmd(work), repeat, env)
+    output = run.parent / "analysis.json"
+    timed(analyze_cmd(work), env, output)
+    if json.loads(output.read_text())["run"]["token_files"]["read"] != 0:
+        raise SystemExit("re-analysis with a warm cache read token files again")
+    os.replace(held, last)
+    appended = timed(analyze_cmd(work), env, output)
+    token_files = json.loads(output.read_text())["run"]["token_files"]
+    output.unlink()
+    if token_files["read"] != 1:
+        raise SystemExit(f"after appending one file, {token_files['read']} files were read")
+    shutil.rmtree(work)
+    shutil.rmtree(cache)
+    return {
+        "fill_s": fill[0],
+        "cached_s": cached[0],
+        "appended_s": appended[0],
+        "appended_rss_gib": appended[1],
+        "files": token_files["total"],
+        "appended_read": token_files["read"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[10_000_000, 50_000_000])
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=[10_000_000, 100_000_000, 1_000_000_000]
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RESULTS.md")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="where the runs are kept")
     args = parser.parse_args()
-    rows = []
+    threads = os.cpu_count() or 1
+    rows, incr = [], {}
+    steal_before = cpu_times()
     for target in args.tokens:
-        run = ensure_run(target)
-        n = token_rows(run)
-        analyze = [
-            sys.executable,
-            "-m",
-            "rlscope",
-            "analyze",
-            str(run),
-            "--format",
-            "json",
-            "--fail-on",
-            "never",
-        ]
+        run = ensure_run(target, args.cache)
+        check_columns(run)
+        n, files = token_rows(run)
         bare = [sys.executable, "-c", BARE_SCAN.format(cols=TOKEN_COLUMNS), str(run)]
-        a = sorted(timed(analyze) for _ in range(args.repeat))[args.repeat // 2]
-        b = sorted(timed(bare) for _ in range(args.repeat))[args.repeat // 2]
-        rows.append((n, a, b))
-        print(
-            json.dumps(
-                {
-                    "tokens": n,
-                    "analyze_s": a[0],
-                    "analyze_rss_gib": a[1],
-                    "bare_scan_s": b[0],
-                    "bare_rss_gib": b[1],
-                }
-            ),
-            file=sys.stderr,
-        )
+        duck = [sys.executable, "-c", DUCKDB.format(threads=threads), str(run)]
+        commands = {"analyze": analyze_cmd(run, "--no-cache"), "bare": bare, "duckdb": duck}
+        # Round robin, so that a slower spell of a shared machine hits every command alike.
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+        for _ in range(args.repeat):
+            for name, cmd in commands.items():
+                runs[name].append(timed(cmd))
+        result: dict[str, Any] = {"tokens": n, "files": files}
+        for name, measured in runs.items():
+            times = sorted(t for t, _ in measured)
+            result[name] = (times[args.repeat // 2], max(r for _, r in measured))
+        rows.append(result)
+        print(json.dumps(result), file=sys.stderr)
+    # Incremental re-analysis on the largest run.
+    incr = incremental(ensure_run(args.tokens[-1], args.cache), args.repeat)
+    print(json.dumps(incr), file=sys.stderr)
+    args.steal = steal_share(steal_before, cpu_times())
+    write_results(args, rows, incr)
+
+
+def cpu_times() -> list[int]:
+    """The machine's cumulative CPU times (Linux /proc/stat), or none elsewhere."""
+    try:
+        return [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """The share of CPU time the hypervisor gave to other guests meanwhile (steal)."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    delta = [b - a for a, b in zip(before, after, strict=False)]
+    return delta[7] / sum(delta) if sum(delta) else None
+
+
+def write_results(args: argparse.Namespace, rows: list[dict], incr: dict[str, float]) -> None:
     lines = [
         "# rlscope analyze benchmark",
         "",
-        f"Machine: {platform.platform()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}; median of {args.repeat} runs; healthy synthetic runs "
-        "(`benchmarks/bench_analyze.py`).",
+        f"Machine: {platform.platform()}, {os.cpu_count()} cores, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "
+        f"Python {platform.python_version()}, polars {_version('polars')}, "
+        f"pyarrow {_version('pyarrow')}, DuckDB {_version('duckdb')}. Median of {args.repeat} "
+        "runs, each a fresh process (peak RSS: the largest of them). Healthy synthetic runs "
+        f"from `rlscope synth --length-scale {LENGTH_SCALE:g} --no-text` ({PROMPTS} prompts x "
+        f"{GROUP} rollouts per step, ~1.1k tokens per response, ~{TOKENS_PER_STEP / 1e6:.2f}M "
+        "token rows per step, files of 1M rows). `analyze` runs every metric that the run can "
+        "feed, with `--no-cache` (every token file read); the bare scan is Polars' streaming "
+        "engine decoding the same 9 token columns; DuckDB computes the same token aggregates "
+        "(`benchmarks/bench_analyze.py`)."
+        + (
+            f" CPU steal during the benchmark (a shared VM): {args.steal:.0%} of CPU time."
+            if args.steal is not None
+            else ""
+        ),
         "",
-        "| token rows | analyze (s) | analyze peak RSS (GiB) | bare scan (s) | bare peak RSS (GiB) "
-        "| analyze / scan | M tokens/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| token rows | files | analyze (s) | s per 100M tokens | M tokens/s | peak RSS (GiB) "
+        "| bare scan (s) | bare RSS (GiB) | DuckDB (s) | DuckDB RSS (GiB) | analyze / scan "
+        "| analyze / DuckDB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for n, (at, arss), (bt, brss) in rows:
+    for r in rows:
+        (at, arss), (bt, brss), (dt, drss) = r["analyze"], r["bare"], r["duckdb"]
+        n = r["tokens"]
         lines.append(
-            f"| {n:,} | {at:.2f} | {arss:.2f} | {bt:.2f} | {brss:.2f} | {at / bt:.2f} "
-            f"| {n / at / 1e6:.1f} |"
+            f"| {n:,} | {r['files']:,} | {at:.1f} | {at / n * 1e8:.2f} | {n / at / 1e6:.1f} "
+            f"| {arss:.2f} | {bt:.1f} | {brss:.2f} | {dt:.1f} | {drss:.2f} | {at / bt:.2f} "
+            f"| {at / dt:.2f} |"
         )
+    lines += [
+        "",
+        "## Incremental re-analysis",
+        "",
+        f"The {rows[-1]['tokens']:,}-row run without its last token file is analysed once "
+        "(filling a fresh partials cache), then re-analysed with nothing new, then the last file "
+        "is added (as a trainer appends one) and the run re-analysed: only that file is read "
+        "(`run.token_files.read` = 1 in the JSON).",
+        "",
+        "| token files | first analysis, cache empty (s) | re-analysis, nothing new (s) "
+        "| re-analysis after appending a file (s) | its peak RSS (GiB) | files it read |",
+        "|---:|---:|---:|---:|---:|---:|",
+        f"| {incr['files']:,} | {incr['fill_s']:.1f} | {incr['cached_s']:.1f} "
+        f"| {incr['appended_s']:.1f} | {incr['appended_rss_gib']:.2f} | {incr['appended_read']} |",
+    ]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _version(module: str) -> str:
+    from importlib.metadata import version
+
+    return version(module)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@ import polars as pl
 
 from rlscope.cache import import_cache_dir
 from rlscope.config import Config, load_config
-from rlscope.engine import compute
-from rlscope.reader import open_run, scan_error
+from rlscope.engine import Computed, compute
+from rlscope.reader import Run, open_run, scan_error
 from rlscope.report import Report, RunInfo
 from rlscope.rules import evaluate
+from rlscope.tokenscan import Mapper, PartialCache
 
 if TYPE_CHECKING:
     from rlscope.importers._base import Progress
@@ -29,11 +30,16 @@ def analyze(
     import_options: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
+    use_cache: bool = True,
+    mapper: Mapper | None = None,
 ) -> Report:
     """Analyse the run directory at `path` (read-only) and return its Report.
 
     With `from_format` (`verl`, `trl`, ...), `path` is a trainer's own output: it is imported
     (incrementally) into the user cache dir, never next to the source, and that run analysed.
+    Token files' partial aggregates are cached there too (`use_cache=False`: neither read nor
+    written), so re-analysing a growing run reads only its new token files. `mapper` runs the
+    per-file token reduction on another engine (README "Scaling out").
     """
     import_notes: list[str] = []
     if from_format is not None:
@@ -47,7 +53,10 @@ def analyze(
         path = out
     run = open_run(path, steps=steps)
     config = config if config is not None else load_config()
-    computed = compute(run, metrics, text=config.text)
+    cache = PartialCache(cache_dir) if use_cache else None
+    computed = compute(
+        run, metrics, text=config.text, cache=cache, progress=progress, mapper=mapper
+    )
     try:
         findings, rule_skips = evaluate(computed, run, config)
     except (pl.exceptions.PolarsError, OSError) as exc:  # a rule's own scan
@@ -72,7 +81,9 @@ def analyze(
         n_eval_rollouts=int(groups.filter(pl.col("split") != "train")["n"].sum())
         if groups is not None
         else 0,
-        n_tokens=run.row_count("tokens"),
+        n_tokens=_token_rows(run, computed),
+        token_files=computed.tokens.files,
+        token_files_read=computed.tokens.files_read,
         tables=tuple(run.tables),
         meta=dict(run.meta),
     )
@@ -84,3 +95,10 @@ def analyze(
         warnings=run.warnings + computed.warnings,
         notes=tuple(notes),
     )
+
+
+def _token_rows(run: Run, computed: Computed) -> int:
+    """Token rows in the step range: from the token scan when it ran (no second pass)."""
+    if computed.tokens.files and ("tokens", "") in computed.aggregates:
+        return computed.tokens.rows
+    return run.row_count("tokens")

@@ -155,8 +155,19 @@ def analyze(
         typer.Option("--option", "-o", help="Import option KEY=VALUE (with --from); repeatable."),
     ] = None,
     cache_dir: Annotated[
-        Path | None, typer.Option(help="Where --from imports go (default: the user cache dir).")
+        Path | None,
+        typer.Option(
+            help="Where --from imports and token-file partials are kept (default: the user "
+            "cache dir)."
+        ),
     ] = None,
+    cache: Annotated[
+        bool,
+        typer.Option(
+            help="Reuse (and keep) each token file's partial aggregates, so re-analysing a "
+            "growing run reads only its new token files."
+        ),
+    ] = True,
 ) -> None:
     """Compute every metric layer by layer, diagnose, and print the report.
 
@@ -198,6 +209,7 @@ def analyze(
                 import_options=options,
                 cache_dir=cache_dir,
                 progress=progress,
+                use_cache=cache,
             )
     except RlscopeError as exc:
         _fail(exc)
@@ -402,6 +414,9 @@ def synth(
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     tokens: Annotated[bool, typer.Option(help="Write the per-token table.")] = True,
     text: Annotated[bool, typer.Option(help="Write response text and probes.")] = True,
+    length_scale: Annotated[
+        float, typer.Option(min=0.01, help="Multiply response lengths (and their cap).")
+    ] = 1.0,
 ) -> None:
     """Generate a synthetic run from the documented latent model, healthy or with one pathology.
 
@@ -433,6 +448,7 @@ def synth(
                 seed=seed,
                 tokens=tokens,
                 text=text,
+                length_scale=length_scale,
             )
     except RlscopeError as exc:
         _fail(exc)

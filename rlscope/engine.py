@@ -3,51 +3,28 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import polars as pl
+import pyarrow as pa
 
 from rlscope.errors import RlscopeError
 from rlscope.reader import INVALID_PREFIX, Run, invalid_warnings, scan_error, valid_rollout
 from rlscope.registry import METRICS, Metric, Variant, load_all, split_column
 from rlscope.report import Logged, MetricResult, Skipped
 from rlscope.text import TextSettings
+from rlscope.tokenscan import ROWS, Mapper, PartialCache, ScanStats, TokenPlan, scan_tokens
 from rlscope.trajectory import decline_shape
 
-#: Per-step entropy quantiles come from a histogram with log-spaced bins: bin b covers
-#: [E0·(e^(b/K) - 1), E0·(e^((b+1)/K) - 1)), i.e. a width of (H + E0)/K at entropy H — relative
-#: precision 1/K above E0, absolute E0/K below. ~600 bins span 0-25 nats, so the histogram's
-#: size depends on the number of steps, never on the number of tokens.
-ENTROPY_BINS_PER_EFOLD = 100
-ENTROPY_BIN_OFFSET = 0.05
-ENTROPY_MAX_BIN = 1000
 GROUP_KEYS = ("split", "step", "prompt_id")
 ROLLOUT_KEYS = (*GROUP_KEYS, "rollout_id")
 PROBE_KEYS = ("rollout_id", "step", "split", "intervention", "fraction")
-ROWS = "__rows__"  # row-count partial of the level that counts a table's data problems
 FINAL_WINDOW_FRACTION = 0.1
 #: Rows per streaming morsel of the per-rollout text query (Polars' default is ~100k rows:
 #: with long responses and their word lists, that is what sets the peak memory).
 TEXT_MORSEL_ROWS = 10_000
-
-
-def entropy_bin() -> pl.Expr:
-    scaled = (pl.col("entropy").cast(pl.Float64).clip(0.0) / ENTROPY_BIN_OFFSET).log1p()
-    return (
-        (scaled * ENTROPY_BINS_PER_EFOLD)
-        .floor()
-        .clip(0, ENTROPY_MAX_BIN)
-        .cast(pl.Int32)
-        .alias("entropy_bin")
-    )
-
-
-def entropy_bin_midpoint(bin_index: pl.Expr) -> pl.Expr:
-    """The entropy at the middle of a bin (inverse of `entropy_bin`)."""
-    centre = (bin_index.cast(pl.Float64) + 0.5) / ENTROPY_BINS_PER_EFOLD
-    return ENTROPY_BIN_OFFSET * (centre.exp() - 1.0)
 
 
 @dataclass
@@ -72,6 +49,7 @@ class Computed:
     context: Context
     # Data problems met while scanning (NaN/inf counts, tokens without a rollout).
     warnings: tuple[str, ...] = ()
+    tokens: ScanStats = field(default_factory=ScanStats)  # what the token scan read
 
 
 def choose_variant(metric: Metric, run: Run) -> Variant | str:
@@ -126,9 +104,10 @@ def aggregate_query(
     count_invalid: Iterable[str] | None = None,
     prelude: dict[str, pl.Expr] | None = None,
 ) -> pl.LazyFrame:
-    """One scan of `table`, aggregated to `level` with every requested partial, plus the number
-    of NaN/inf values of each `count_invalid` column (partials named `__invalid__<column>`) and
-    the row count (`__rows__`), when given (the first level of a table other than rollouts).
+    """One scan of `table` (steps, rollouts or probes; tokens go through `tokenscan`),
+    aggregated to `level` with every requested partial, plus the number of NaN/inf values of
+    each `count_invalid` column (partials named `__invalid__<column>`) and the row count
+    (`__rows__`) when given (the steps table).
 
     Two levels are not aggregations: rollouts' "rollout" level (one row per rollout: the
     partials are elementwise features, e.g. of the text, which is dropped once they are
@@ -144,24 +123,22 @@ def aggregate_query(
     flags = [INVALID_PREFIX + c for c in count_invalid or ()]
     lf = run.scan(table, invalid_flags=bool(flags))
     exprs += [pl.col(f).cast(pl.Int64).sum().alias(f) for f in flags]
-    if table != "rollouts" and count_invalid is not None:
-        exprs.append(pl.len().alias(ROWS))  # for the count of rows with a null step
     if table == "rollouts":
-        keys: list[Any] = list(GROUP_KEYS)
-        lf = lf.filter(valid_rollout())  # what is left out is counted in the reader's warnings
-    elif level == "entropy_bins":
-        # Kept apart from the per-step sums: few columns per (step, bin) group keeps it small.
-        keys = ["step", entropy_bin()]
-        if not flags:
-            lf = lf.filter(pl.col("entropy").is_not_null())
-        # else rows without entropy land in a null bin, dropped after collection (compute).
-    elif level == "segments":
-        keys = ["step", pl.col("segment").cast(pl.String)]
-        if not flags:
-            lf = lf.filter(pl.col("segment").is_not_null())
-    else:
-        keys = ["step"]
-    return lf.group_by(keys).agg(exprs)
+        # What is left out is counted in the reader's warnings.
+        return lf.filter(valid_rollout()).group_by(GROUP_KEYS).agg(exprs)
+    if count_invalid is not None:
+        exprs.append(pl.len().alias(ROWS))  # for the count of rows with a null step
+    return lf.group_by("step").agg(exprs)
+
+
+def _token_plan(run: Run, by_level: dict[str, list[Variant]], ctx: Context) -> TokenPlan:
+    """The token scan's plan: every level's partials, the step level's prelude, the float
+    columns whose NaN/inf values are counted, and the rollout ids when there are rollouts."""
+    partials = {level: _merged_partials(variants, ctx) for level, variants in by_level.items()}
+    every = {f"{level}:{n}": e for level, exprs in partials.items() for n, e in exprs.items()}
+    prelude = _merged_partials(by_level.get("", []), ctx, prelude=True)
+    invalid = _float_columns_used(run, "tokens", every)
+    return TokenPlan(partials, prelude, tuple(invalid), ids="rollouts" in run.tables)
 
 
 def _float_columns_used(run: Run, table: str, partials: dict[str, pl.Expr]) -> list[str]:
@@ -187,18 +164,22 @@ def probes_query(run: Run) -> pl.LazyFrame:
     return probes.join(rollouts, on="rollout_id", how="inner")
 
 
-def orphan_tokens_query(run: Run) -> pl.LazyFrame:
-    """Token rows whose rollout_id is not in the rollouts table. Costs one extra pass over the
-    tokens' `rollout_id` column only (one int64 per token; the other columns are not read) and
-    a hash table the size of the number of rollouts; folding it into the per-step aggregation
-    would need a join of every token row."""
-    ids = replace(run, step_range=(None, None)).scan("rollouts").select("rollout_id").unique()
+def orphan_warning(run: Run, ids: pl.DataFrame) -> str | None:
+    """The warning for token rows whose rollout_id is not in the rollouts table, given the
+    token rows per (step, rollout_id) (the token scan's "ids" level)."""
+    known = replace(run, step_range=(None, None)).scan("rollouts").select("rollout_id").unique()
+    orphans = (
+        ids.lazy()
+        .join(known, on="rollout_id", how="anti", nulls_equal=False)
+        .select(pl.col("rollout_id").n_unique().alias("ids"), pl.col("len").sum().alias("rows"))
+        .collect()
+    )
+    rows, n_ids = orphans["rows"][0] or 0, orphans["ids"][0]
+    if not rows:
+        return None
     return (
-        run.scan("tokens")
-        .group_by("rollout_id")
-        .agg(pl.len().alias("rows"))
-        .join(ids, on="rollout_id", how="anti", nulls_equal=False)
-        .select(pl.len().alias("ids"), pl.col("rows").sum().alias("rows"))
+        f"tokens: {rows:,} row(s) with {n_ids:,} rollout_id value(s) that are not in the "
+        "rollouts table (still used in the token metrics)"
     )
 
 
@@ -215,9 +196,18 @@ def resolve_pass_k(run: Run, groups: pl.DataFrame | None) -> int | None:
 
 
 def compute(
-    run: Run, metric_ids: Iterable[str] | None = None, *, text: TextSettings | None = None
+    run: Run,
+    metric_ids: Iterable[str] | None = None,
+    *,
+    text: TextSettings | None = None,
+    cache: PartialCache | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    mapper: Mapper | None = None,
 ) -> Computed:
-    """Compute the requested metrics (all registered ones by default) over a run."""
+    """Compute the requested metrics (all registered ones by default) over a run. With `cache`,
+    token files' partial aggregates are reused where the file is unchanged (and stored);
+    `progress` gets (token files done, token files) as the token scan goes; `mapper` maps the
+    per-file token reduction over the files to read (see `tokenscan.Mapper`)."""
     load_all()
     context = Context(run, text=text or TextSettings())
     if metric_ids is None:
@@ -241,22 +231,23 @@ def compute(
         }
         by_level.setdefault(("steps", ""), []).append(Variant("steps", (), _no_series, partials))
     levels = sorted(by_level)
+    token_levels = [level for table, level in levels if table == "tokens"]
+    if token_levels and "" not in token_levels:
+        token_levels.insert(0, "")  # the token scan always counts rows and NaN/inf per step
+    levels = [key for key in levels if key[0] != "tokens"]
     queries = []
     counted: dict[tuple[str, str], list[str]] = {}
     for table, level in levels:
         partials = _merged_partials(by_level[table, level], context)
-        # NaN/inf counts ride along the first scan of each table (rollouts: the reader counts
-        # them over all rows, before rows are left out; probes are few and not aggregated).
-        if table not in ("rollouts", "probes") and not any(t == table for t, _ in counted):
+        # NaN/inf counts ride along the steps scan (rollouts: the reader counts them over all
+        # rows, before rows are left out; probes are few and not aggregated).
+        if table == "steps":
             counted[table, level] = _float_columns_used(run, table, partials)
         prelude = _merged_partials(by_level[table, level], context, prelude=True)
         queries.append(
             aggregate_query(run, table, level, partials, counted.get((table, level)), prelude)
         )
     tables = list(dict.fromkeys(table for table, _ in levels))
-    with_orphans = "tokens" in tables and "rollouts" in run.tables
-    if with_orphans:
-        queries.append(orphan_tokens_query(run))
     what = "reading " + ", ".join(tables)
     # The per-rollout text query runs alone, in small morsels: a morsel of long responses and
     # their word lists is what bounds its memory (the other scans keep Polars' default).
@@ -268,15 +259,25 @@ def compute(
     collected = _collect(queries, what, run, tables)
     if text_query is not None:
         collected.insert(text_query, text_frame[0])
-    run.check_unchanged()  # every file read is the one listed at open
     warnings: list[str] = []
-    if with_orphans:
-        orphans = collected.pop()
-        if orphans["rows"][0]:
-            warnings.append(
-                f"tokens: {orphans['rows'][0]:,} row(s) with {orphans['ids'][0]:,} rollout_id "
-                "value(s) that are not in the rollouts table (still used in the token metrics)"
+    scan_stats = ScanStats()
+    if token_levels:
+        token_plan = _token_plan(
+            run, {lvl: by_level.get(("tokens", lvl), []) for lvl in token_levels}, context
+        )
+        try:
+            token_frames, scan_stats = scan_tokens(
+                run, token_plan, cache=cache, progress=progress, mapper=mapper
             )
+            orphans = orphan_warning(run, token_frames.pop("ids")) if token_plan.ids else None
+        except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
+            raise scan_error(run, ["tokens"], "reading tokens", exc) from None
+        for level in token_levels:
+            levels.append(("tokens", level))
+            collected.append(token_frames[level])
+        counted["tokens", ""] = list(token_plan.count_invalid)
+        warnings += [orphans] if orphans else []
+    run.check_unchanged()  # every file read is the one listed at open
     aggregates = {}
     for key, frame in zip(levels, collected, strict=True):
         if key in counted:
@@ -290,8 +291,6 @@ def compute(
                     f"{key[0]}: {no_step:,} row(s) with a null step are left out of the metrics"
                 )
             frame = frame.drop(ROWS, *(INVALID_PREFIX + c for c in columns))
-            if key[1] in ("entropy_bins", "segments"):
-                frame = frame.filter(pl.col(frame.columns[1]).is_not_null())
         aggregates[key] = frame.filter(pl.col("step").is_not_null())
 
     context.pass_k = resolve_pass_k(run, aggregates.get(("rollouts", "")))
@@ -329,7 +328,9 @@ def compute(
             extra=_extra(metric, frame, context),
             logged=_logged_result(logged.get(metric_id), aggregates.get(("steps", ""))),
         )
-    return Computed(results, frames, tuple(skipped), aggregates, context, tuple(warnings))
+    return Computed(
+        results, frames, tuple(skipped), aggregates, context, tuple(warnings), scan_stats
+    )
 
 
 def _empty_reason(frame: pl.DataFrame, variant: Variant) -> str:

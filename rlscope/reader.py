@@ -133,7 +133,7 @@ class Run:
         frames = []
         for (signature, hive), paths in _group_by_signature(files).items():
             lf = pl.scan_parquet(list(paths), hive_partitioning=False, glob=False)
-            exprs = _conform(files.schema, dict(signature), dict(hive), invalid_flags=invalid_flags)
+            exprs = conform(files.schema, dict(signature), dict(hive), invalid_flags=invalid_flags)
             frames.append(lf.select(exprs))
         lf = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
         lo, hi = self.step_range
@@ -229,16 +229,20 @@ def _group_by_signature(files: TableFiles) -> dict[tuple, list[Path]]:
     return groups
 
 
-def _conform(
+def conform(
     target: dict[str, pl.DataType],
     file_schema: dict[str, pl.DataType],
     hive: dict[str, str],
     *,
     invalid_flags: bool = False,
+    all_finite: Iterable[str] = (),
 ) -> list[pl.Expr]:
     """Select every unified column: cast what the file has, take hive folder values or null for
     what it lacks; NaN/inf in float columns become null (metrics use valid values only), and
-    with `invalid_flags` a boolean `__invalid__<column>` marks where they were."""
+    with `invalid_flags` a boolean `__invalid__<column>` marks where they were. Float columns in
+    `all_finite` are known to hold no NaN/inf (no per-row check); with `invalid_flags` their
+    flag column is left out."""
+    finite = set(all_finite)
     exprs = []
     flags = []
     for name, dtype in target.items():
@@ -253,7 +257,7 @@ def _conform(
         col = pl.col(name)
         if file_schema[name] != dtype:
             col = col.cast(dtype)
-        if is_float:
+        if is_float and name not in finite:
             if invalid_flags:
                 flags.append((~col.is_finite()).fill_null(False).alias(INVALID_PREFIX + name))
             col = pl.when(col.is_finite()).then(col).otherwise(None)

@@ -83,6 +83,9 @@ class RunInfo:
     tables: tuple[str, ...]
     meta: dict[str, Any] = field(default_factory=dict)
     n_eval_rollouts: int = 0  # of n_rollouts, those of eval splits
+    # Token files in the run, and how many were read now (the rest: cached partials).
+    token_files: int = 0
+    token_files_read: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class Report:
                 "eval_rollouts": run.n_eval_rollouts,
                 "groups": run.n_groups,
                 "tokens": run.n_tokens,
+                "token_files": {"total": run.token_files, "read": run.token_files_read},
                 "tables": list(run.tables),
                 "meta": json_safe(run.meta),
             },

@@ -211,6 +211,8 @@ class Scenario:
     length_sd: float = 0.25
     length_bonus: float = 1.08
     max_response_len: int = 1024
+    # Multiplies every base length (and the cap): long-response runs for the benchmarks.
+    length_scale: float = 1.0
     reward_scale_sd: float = 0.0
     advantage: Literal["grpo", "dr_grpo"] = "grpo"
     grad_spikes: tuple[float, ...] = ()
@@ -534,7 +536,7 @@ def _rollouts(
     z = rng.standard_normal(n)
     logit = sc.logit_slope * sc.sharpness(u) * (sc.skill(u) - pool.difficulty[j])
     correct = rng.random(n) < 1 / (1 + np.exp(-(logit - sc.overthink * z)))
-    length = pool.base_len[j] * sc.growth(u) * np.exp(sc.length_sd * z)
+    length = sc.length_scale * pool.base_len[j] * sc.growth(u) * np.exp(sc.length_sd * z)
     length *= np.where(correct, sc.length_bonus, 1.0)
     cap = sc.max_response_len
     response_len = np.clip(np.rint(length), 1, cap).astype(np.int32)
@@ -577,7 +579,7 @@ def _eval_rollouts(
     skill = np.where(world.eval_ood, ood_skill, sc.skill(u))
     logit = sc.logit_slope * sc.sharpness(u) * (skill - d) - OOD_LOGIT_SHIFT * world.eval_ood
     correct = uniform < 1 / (1 + np.exp(-(logit - sc.overthink * z)))
-    length = world.eval_base_len * sc.growth(u) * np.exp(sc.length_sd * z)
+    length = sc.length_scale * world.eval_base_len * sc.growth(u) * np.exp(sc.length_sd * z)
     length *= np.where(correct, sc.length_bonus, 1.0)
     response_len = np.clip(np.rint(length), 1, sc.max_response_len).astype(np.int32)
     truncated = response_len >= sc.max_response_len
@@ -1001,6 +1003,7 @@ def generate(
     text: bool = True,
     eval_every: int | None = None,
     probe_every: int | None = None,
+    length_scale: float = 1.0,
 ) -> Path:
     """Write a synthetic format-v1 run of `scenario` into `out_dir` (which must not hold a run).
 
@@ -1010,6 +1013,7 @@ def generate(
     still come from every token). `text=False` leaves out the `response` column and the probes
     table. Eval rollouts (splits eval_id and eval_ood) are written every `eval_every` steps and
     probes every `probe_every` steps (default max(1, steps // 20)), both also at the last step.
+    `length_scale` multiplies every response length and the length cap (1: the scenario's own).
     """
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; valid: {', '.join(SCENARIOS)}")
@@ -1022,7 +1026,12 @@ def generate(
     out = Path(out_dir)
     if (out / RUN_JSON).exists():
         raise FileExistsError(f"{out} already holds a run")
+    if length_scale <= 0:
+        raise ValueError("length_scale must be > 0")
     sc = SCENARIOS[scenario]
+    if length_scale != 1.0:
+        cap = max(1, round(sc.max_response_len * length_scale))
+        sc = replace(sc, length_scale=length_scale, max_response_len=cap)
     main_seed, token_seed, extra_seed = np.random.SeedSequence(seed).spawn(3)
     rng, token_rng = np.random.default_rng(main_seed), np.random.default_rng(token_seed)
     latent_rng, word_rng, eval_word_rng, probe_rng = (

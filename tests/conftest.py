@@ -20,6 +20,14 @@ WriteRun = Callable[..., Path]
 CheckSeries = Callable[..., None]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """No test reads or writes the user's own cache (token-file partials, imports)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLSCOPE_CACHE_DIR", str(tmp_path_factory.mktemp("rlscope-cache")))
+        yield
+
+
 @pytest.fixture
 def write_run(tmp_path: Path) -> WriteRun:
     """`write_run(tables, **run_json_fields) -> run dir`, written with RunWriter."""

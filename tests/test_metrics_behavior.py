@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rlscope.engine import ENTROPY_BIN_OFFSET, ENTROPY_BINS_PER_EFOLD, compute
+from rlscope.engine import compute
 from rlscope.reader import open_run
+from rlscope.tokenscan import ENTROPY_BIN_OFFSET, ENTROPY_BINS_PER_EFOLD
 
 WriteRun = Callable[..., Path]
 CheckSeries = Callable[..., None]

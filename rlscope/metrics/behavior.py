@@ -7,7 +7,7 @@ from typing import Any
 import polars as pl
 
 from rlscope import text
-from rlscope.engine import ENTROPY_BIN_OFFSET, ENTROPY_BINS_PER_EFOLD, Context, entropy_bin_midpoint
+from rlscope.engine import Context
 from rlscope.metrics._common import (
     custom,
     f64,
@@ -19,6 +19,12 @@ from rlscope.metrics._common import (
     train,
 )
 from rlscope.registry import Metric, Variant, register_metric
+from rlscope.tokenscan import (
+    BIN_COUNT,
+    ENTROPY_BIN_OFFSET,
+    ENTROPY_BINS_PER_EFOLD,
+    entropy_bin_midpoint,
+)
 
 ENTROPY_QUANTILE = 0.8
 
@@ -30,7 +36,7 @@ LEN_SQ = ("len_sq", (f64("response_len") ** 2).sum())
 LEN_CORRECT_SUM = ("len_correct_sum", (f64("response_len") * f64("correct")).sum())
 CALLS_SUM = ("calls_sum", f64("n_tool_calls").sum())
 CALLS_SQ = ("calls_sq", (f64("n_tool_calls") ** 2).sum())
-ENT_N = ("ent_n", pl.col("entropy").count().cast(pl.Int64))
+ENT_N = ("ent_n", BIN_COUNT)
 
 register_metric(
     Metric(

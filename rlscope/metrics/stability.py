@@ -121,7 +121,7 @@ register_metric(
                 "tokens",
                 ("logprob", "ref_logprob"),
                 ("kl_sum", K3.sum()),
-                ("kl_n", K3.count()),
+                ("kl_n", _d.count()),  # = K3.count(), without evaluating e^d to count
                 source="tokens: token-mean k3",
             ),
             step_column("kl"),

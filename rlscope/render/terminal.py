@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlscope.render.sanitize import safe_text
-from rlscope.report import LAYERS, Finding, MetricResult, Report, severity_rank
+from rlscope.report import LAYERS, Finding, MetricResult, Report, RunInfo, severity_rank
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 24
@@ -60,6 +60,14 @@ def _metric_status(report: Report) -> dict[str, Finding]:
     return worst
 
 
+def _token_files(run: RunInfo) -> str:
+    """How many token files were read, when some came from the partials cache."""
+    cached = run.token_files - run.token_files_read
+    if not cached:
+        return ""
+    return f" ({run.token_files_read:,} of {run.token_files:,} files read; {cached:,} cached)"
+
+
 def _header(report: Report) -> Panel:
     run = report.run
     steps = (
@@ -77,7 +85,7 @@ def _header(report: Report) -> Panel:
             f"{run.n_rollouts - run.n_eval_rollouts:,} train in {run.n_groups:,} groups"
             + (f", {run.n_eval_rollouts:,} eval" if run.n_eval_rollouts else ""),
         ),
-        ("tokens", f"{run.n_tokens:,}"),
+        ("tokens", f"{run.n_tokens:,}" + _token_files(run)),
         ("tables", ", ".join(run.tables)),
     ):
         grid.add_row(label, Text(safe_text(value)))

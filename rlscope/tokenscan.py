@@ -1,0 +1,578 @@
+"""One read per token file: every token-level partial, cached per file, merged by summation.
+
+The token table is most of a run's bytes (a row per generated token), so it is read by this
+module alone, one file at a time and once per `analyze`: each file (in batches of row groups)
+is reduced to small per-step partial aggregates — the per-step sums, the per-(step, entropy
+bin) histogram, the per-(step, segment) sums and the per-(step, rollout_id) token counts that
+find tokens without a rollout — which are all sums, so merging files (or batches, or machines)
+is a group-by-sum. That makes three things cheap:
+
+* memory: a batch of at most `BATCH_ROWS` rows is in memory at a time (per worker), whatever the
+  run's size; what is kept is per step, never per token;
+* re-analysis: a file's partials are cached in the user cache dir, keyed by the file's path, size
+  and mtime and by the plan (which partials, over which columns), so re-analysing a growing run
+  reads only the files that are new since the last time;
+* scaling out: `file_partials` is a pure function of (file, plan), so any map over files (a
+  process pool, Ray, Dask) can run it, with `merge` on the driver (README "Scaling out").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlscope import __version__
+from rlscope.cache import cache_root
+from rlscope.reader import INVALID_PREFIX, Run, conform
+
+#: Per-step entropy quantiles come from a histogram with log-spaced bins: bin b covers
+#: [E0·(e^(b/K) - 1), E0·(e^((b+1)/K) - 1)), i.e. a width of (H + E0)/K at entropy H — relative
+#: precision 1/K above E0, absolute E0/K below. ~600 bins span 0-25 nats, so the histogram's
+#: size depends on the number of steps, never on the number of tokens.
+ENTROPY_BINS_PER_EFOLD = 100
+ENTROPY_BIN_OFFSET = 0.05
+ENTROPY_MAX_BIN = 1000
+ROWS = "__rows__"  # token rows per step (the step level), for the null-step warning
+#: Rows read and reduced at a time (whole row groups, or slices of a larger one).
+BATCH_ROWS = 1_200_000
+#: A batch whose rows form at most this many runs of one step, of this many rows on average, is
+#: reduced run by run (a plain select per run); otherwise (unsorted or small batches) by a
+#: group-by on the step.
+MAX_STEP_RUNS = 32
+MIN_STEP_RUN_ROWS = 50_000
+#: Small files are reduced together, up to this many bytes of Parquet per chunk of work.
+CHUNK_BYTES = 16 * 2**20
+#: Chunks reduced at once: each worker holds one batch; reads and Polars use every core anyway.
+WORKERS = 2
+#: Level -> its group keys. "ids" counts token rows per (step, rollout_id): merged over files,
+#: it finds tokens whose rollout is not in the rollouts table.
+LEVEL_KEYS: dict[str, tuple[str, ...]] = {
+    "": ("step",),
+    "entropy_bins": ("step", "entropy_bin"),
+    "segments": ("step", "segment"),
+    "ids": ("step", "rollout_id"),
+}
+_KEY_TYPES = {
+    "step": pl.Int64,
+    "entropy_bin": pl.Int32,
+    "segment": pl.String,
+    "rollout_id": pl.Int64,
+}
+#: The one partial of the entropy_bins level: tokens per (step, bin).
+BIN_COUNT = pl.col("entropy").count().cast(pl.Int64)
+_ID = "__file_id__"  # a cached file's id within its run's pack
+FILE = "__file__"  # a file's index within a chunk
+#: The partial aggregations the merge (a sum) is exact for; a token partial must end in one.
+_ADDITIVE = ("sum()", "count()", "len()", "n_unique()")
+_TRAILING_CAST = re.compile(r"\.(strict_)?cast\([^()]*\)$")
+
+
+def entropy_bins(entropy: pl.Series) -> np.ndarray:
+    """Each entropy's bin, floor(K·ln(1 + max(H, 0)/E0)) capped at ENTROPY_MAX_BIN, for a
+    series without nulls. In numpy, in float64: half the cost of the same Polars expression."""
+    values = entropy.to_numpy().astype(np.float64)
+    scaled = np.log1p(np.maximum(values, 0.0) / ENTROPY_BIN_OFFSET) * ENTROPY_BINS_PER_EFOLD
+    return np.minimum(scaled, ENTROPY_MAX_BIN).astype(np.int32)  # truncation = floor (>= 0)
+
+
+def entropy_bin_midpoint(bin_index: pl.Expr) -> pl.Expr:
+    """The entropy at the middle of a bin (inverse of `entropy_bin`)."""
+    centre = (bin_index.cast(pl.Float64) + 0.5) / ENTROPY_BINS_PER_EFOLD
+    return ENTROPY_BIN_OFFSET * (centre.exp() - 1.0)
+
+
+def is_additive(expr: pl.Expr) -> bool:
+    """Whether a partial is a sum, a count or a distinct count (merged over files by summing;
+    a distinct count is then exact only for values that stay within one file)."""
+    text = str(expr)
+    while (stripped := _TRAILING_CAST.sub("", text)) != text:
+        text = stripped
+    return text.endswith(_ADDITIVE)
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """What to compute over each token file: partials per level ("" is per step; each level's
+    keys are in LEVEL_KEYS), elementwise intermediates shared by the step partials, and the
+    float columns whose NaN/inf values are counted."""
+
+    partials: Mapping[str, Mapping[str, pl.Expr]]
+    prelude: Mapping[str, pl.Expr] = field(default_factory=dict)
+    count_invalid: tuple[str, ...] = ()
+    ids: bool = False  # also count rows per (step, rollout_id)
+
+    def __post_init__(self) -> None:
+        for level, exprs in self.partials.items():
+            if level not in LEVEL_KEYS or level == "ids":
+                raise ValueError(f"unknown token level {level!r}")
+            if level == "entropy_bins" and not all(e.meta.eq(BIN_COUNT) for e in exprs.values()):
+                raise ValueError("the entropy_bins level is a histogram: its partial is BIN_COUNT")
+            for name, expr in exprs.items():
+                if not is_additive(expr):
+                    raise ValueError(
+                        f"token partial {name!r} must be a sum, count or n_unique (merged "
+                        f"over files by summation): {expr}"
+                    )
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        """The levels computed: always the step level (row and NaN/inf counts), then the
+        plan's others."""
+        others = [level for level in self.partials if level != ""]
+        return ("", *others, *(("ids",) if self.ids else ()))
+
+    def columns(self, schema: Mapping[str, pl.DataType]) -> list[str]:
+        """The token columns the plan reads (in the table's order)."""
+        used = {"step", *self.count_invalid}
+        for exprs in (*self.partials.values(), self.prelude):
+            for expr in exprs.values():
+                used.update(expr.meta.root_names())
+        if "entropy_bins" in self.partials:
+            used.add("entropy")
+        if "segments" in self.partials:
+            used.add("segment")
+        if self.ids:
+            used.add("rollout_id")
+        return [c for c in schema if c in used]
+
+    def fingerprint(self, schema: Mapping[str, pl.DataType]) -> str:
+        """Changes whenever a cached file partial could differ: rlscope's version, the
+        expressions, the binning and the unified types of the columns read."""
+        parts = [__version__, repr(sorted(self.count_invalid)), str(self.ids)]
+        parts += [f"{ENTROPY_BINS_PER_EFOLD}/{ENTROPY_BIN_OFFSET}/{ENTROPY_MAX_BIN}"]
+        for level in sorted(self.partials):
+            parts += [f"{level}:{n}={e}" for n, e in sorted(self.partials[level].items())]
+        parts += [f"prelude:{n}={e}" for n, e in self.prelude.items()]
+        parts += [f"{c}:{schema[c]}" for c in self.columns(schema)]
+        return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """One token file as the plan reads it: its path, the types it has and hive values."""
+
+    path: Path
+    schema: Mapping[str, pl.DataType]  # the file's own column types
+    target: Mapping[str, pl.DataType]  # the unified types (of the columns read)
+    hive: Mapping[str, str]
+    stat: tuple[int, int, int]  # (size, mtime_ns, inode) at open
+
+
+@dataclass(frozen=True)
+class ScanStats:
+    """How much of the token table an analysis read: files reduced now vs taken from cache."""
+
+    files: int = 0
+    files_read: int = 0
+    rows: int = 0  # token rows in the step range
+    rows_read: int = 0  # token rows read now (the rest came from the cache)
+    cache_dir: str | None = None
+
+
+def token_files(run: Run, plan: TokenPlan) -> list[TokenFile]:
+    table = run.tables["tokens"]
+    columns = plan.columns(table.schema)
+    target = {c: table.schema[c] for c in columns}
+    hive = table.file_hive or tuple({} for _ in table.files)
+    return [
+        TokenFile(path, schema, target, values, stat)
+        for path, schema, values, stat in zip(
+            table.files, table.file_schemas, hive, table.file_stats, strict=True
+        )
+    ]
+
+
+def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
+    """The file's columns that the plan reads, BATCH_ROWS rows at a time."""
+    present = [c for c in file.target if c in file.schema]
+    parquet = pq.ParquetFile(file.path)
+    with parquet:
+        if parquet.metadata.num_rows == 0:
+            return
+        for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=present):
+            yield pl.from_arrow(pa.Table.from_batches([batch]))  # type: ignore[misc]
+
+
+def _step_runs(frame: pl.DataFrame) -> list[tuple[int, int]] | None:
+    """(offset, length) of each run of one step value; None when the runs are too many or too
+    short for a query per run to beat one group-by (small or unsorted batches)."""
+    runs = frame.select(pl.col("step").rle()).unnest("step")
+    if runs.height > MAX_STEP_RUNS or frame.height < MIN_STEP_RUN_ROWS * runs.height:
+        return None
+    offsets, start = [], 0
+    for length in runs["len"].to_list():
+        offsets.append((start, length))
+        start += length
+    return offsets
+
+
+def _level_queries(lf: pl.LazyFrame, plan: TokenPlan, keys: list[str]) -> dict[str, pl.LazyFrame]:
+    """Each level's aggregation of conformed rows, grouped by `keys` (["step"], [FILE, "step"]
+    for several files at once, or none for one step's run of rows) and the level's own key."""
+    queries: dict[str, pl.LazyFrame] = {}
+    invalid = [
+        (pl.col(flag).sum() if flag in lf.collect_schema() else pl.lit(0))
+        .cast(pl.Int64)
+        .alias(flag)
+        for flag in (INVALID_PREFIX + c for c in plan.count_invalid)
+    ]
+    base = [pl.len().cast(pl.Int64).alias(ROWS), *invalid]
+    exprs = [e.alias(n) for n, e in plan.partials.get("", {}).items()]
+    stepped = lf.with_columns(**plan.prelude) if plan.prelude and exprs else lf
+    queries[""] = (
+        stepped.group_by(keys).agg(*base, *exprs) if keys else stepped.select(*base, *exprs)
+    )
+    if "segments" in plan.partials:
+        exprs = [e.alias(n) for n, e in plan.partials["segments"].items()]
+        segmented = lf.filter(pl.col("segment").is_not_null())
+        queries["segments"] = (
+            segmented.group_by(*keys, "segment")
+            .agg(exprs)
+            .with_columns(pl.col("segment").cast(pl.String))
+        )
+    if plan.ids:
+        # Runs of one rollout_id first: a rollout's tokens are usually contiguous, so the
+        # group-by sees a row per rollout rather than a row per token.
+        runs = lf.select(*keys, pl.col("rollout_id").rle_id().alias("run"), "rollout_id")
+        runs = runs.group_by(*keys, "run").agg(pl.col("rollout_id").first(), pl.len())
+        queries["ids"] = runs.group_by(*keys, "rollout_id").agg(pl.col("len").sum())
+    return queries
+
+
+def _collect_levels(
+    frame: pl.DataFrame, plan: TokenPlan, keys: list[str]
+) -> dict[str, pl.DataFrame]:
+    """Every level of conformed rows, grouped by `keys` (see `_level_queries`). The entropy
+    histogram is a count per bin: with no keys (one step's run of rows), a bincount."""
+    queries = _level_queries(frame.lazy(), plan, keys)
+    levels = dict(zip(queries, pl.collect_all(queries.values()), strict=True))
+    if "entropy_bins" in plan.partials:
+        (name,) = plan.partials["entropy_bins"]
+        binned = frame.select(*keys, "entropy").filter(pl.col("entropy").is_not_null())
+        codes = entropy_bins(binned["entropy"])
+        if keys:
+            counts = (
+                binned.select(*keys, pl.Series("entropy_bin", codes))
+                .group_by(*keys, "entropy_bin")
+                .agg(pl.len().cast(pl.Int64).alias(name))
+            )
+        else:
+            tally = np.bincount(codes, minlength=ENTROPY_MAX_BIN + 1)
+            found = np.flatnonzero(tally)
+            counts = pl.DataFrame(
+                {"entropy_bin": found.astype(np.int32), name: tally[found].astype(np.int64)}
+            )
+        levels["entropy_bins"] = counts
+    return levels
+
+
+def _reduce_rows(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.DataFrame]:
+    """One file's conformed rows reduced: run by run of one step when the rows are sorted by
+    step (a plain select per run, much cheaper than hashing every row's step), else grouped."""
+    runs = _step_runs(frame)
+    if runs is None:
+        return _collect_levels(frame, plan, ["step"])
+    parts: dict[str, list[pl.DataFrame]] = {}
+    for offset, length in runs:
+        piece = frame.slice(offset, length)
+        step = pl.lit(piece["step"][0], pl.Int64).alias("step")
+        for level, result in _collect_levels(piece, plan, []).items():
+            parts.setdefault(level, []).append(result.select(step, pl.all()))
+    return {level: pl.concat(frames, how="vertical_relaxed") for level, frames in parts.items()}
+
+
+def _conformed(frame: pl.DataFrame, file: TokenFile, plan: TokenPlan) -> pl.DataFrame:
+    """A batch with the unified types and NaN/inf as null, flagged per counted column. Float
+    columns found all finite (the usual case; one cheap reduction tells) skip the per-row
+    rewrite and carry no flag column; a categorical segment stays categorical (grouped as is)."""
+    floats = [c for c, t in file.schema.items() if c in file.target and t.is_float()]
+    if floats:
+        non_finite = frame.select((~pl.col(c).is_finite()).sum() for c in floats).row(0)
+        finite = [c for c, n in zip(floats, non_finite, strict=True) if not n]
+    else:
+        finite = []
+    target = dict(file.target)
+    for column, dtype in file.schema.items():
+        if target.get(column) == pl.String and isinstance(dtype, pl.Categorical | pl.Enum):
+            target[column] = dtype
+    exprs = conform(
+        target, dict(file.schema), dict(file.hive), invalid_flags=True, all_finite=finite
+    )
+    flags = [INVALID_PREFIX + c for c in plan.count_invalid if c not in finite]
+    return frame.lazy().select(exprs).select(*file.target, *flags).collect()
+
+
+def chunks(files: list[TokenFile]) -> list[list[TokenFile]]:
+    """Consecutive files grouped up to CHUNK_BYTES each: the unit of work of the map stage."""
+    out: list[list[TokenFile]] = []
+    size = 0
+    for file in files:
+        if not out or size + file.stat[0] > CHUNK_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(file)
+        size += file.stat[0]
+    return out
+
+
+def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl.DataFrame]]:
+    """The map stage: each file of a chunk reduced to every level's partials (a frame per
+    level, keyed by LEVEL_KEYS). Batches of small files are reduced together, keyed by file
+    too, so many small files cost about what one large one does. Pure: depends on the files'
+    contents and the plan only."""
+    parts: list[dict[str, list[pl.DataFrame]]] = [{lv: [] for lv in plan.levels} for _ in files]
+    pending: list[tuple[int, pl.DataFrame]] = []
+
+    def reduce_pending() -> None:
+        if len(pending) == 1:
+            index, frame = pending[0]
+            for level, result in _reduce_rows(frame, plan).items():
+                parts[index][level].append(result)
+        else:
+            rows = pl.concat(
+                [f.with_columns(pl.lit(i).alias(FILE)) for i, f in pending],
+                how="diagonal_relaxed",  # flag columns only where a file has NaN/inf
+            )
+            levels = _collect_levels(rows, plan, [FILE, "step"])
+            for level, result in levels.items():
+                for (index,), piece in result.partition_by(FILE, as_dict=True).items():
+                    parts[int(index)][level].append(piece.drop(FILE))  # type: ignore[call-overload]
+        pending.clear()
+
+    for index, file in enumerate(files):
+        for batch in _batches(file):
+            pending.append((index, _conformed(batch, file, plan)))
+            if sum(f.height for _, f in pending) >= BATCH_ROWS:
+                reduce_pending()
+    if pending:
+        reduce_pending()
+    return [{lv: _sum_by_keys(lv, frames, plan) for lv, frames in p.items()} for p in parts]
+
+
+def file_partials(file: TokenFile, plan: TokenPlan) -> dict[str, pl.DataFrame]:
+    """The map stage for one file (see `chunk_partials`)."""
+    return chunk_partials([file], plan)[0]
+
+
+def merge(
+    partials: Iterable[Mapping[str, pl.DataFrame]], plan: TokenPlan
+) -> dict[str, pl.DataFrame]:
+    """The reduce stage: files' (or workers') partials summed per key. Associative and
+    commutative, so any grouping of files gives the same frames (up to float rounding)."""
+    parts: dict[str, list[pl.DataFrame]] = {level: [] for level in plan.levels}
+    for one in partials:
+        for level in plan.levels:
+            parts[level].append(one[level])
+    return {level: _sum_by_keys(level, frames, plan) for level, frames in parts.items()}
+
+
+def _value_columns(level: str, plan: TokenPlan) -> list[str]:
+    if level == "ids":
+        return ["len"]
+    names = list(plan.partials.get(level, {}))
+    if level == "":
+        names = [ROWS, *(INVALID_PREFIX + c for c in plan.count_invalid), *names]
+    return names
+
+
+def _sum_by_keys(level: str, frames: list[pl.DataFrame], plan: TokenPlan) -> pl.DataFrame:
+    keys = LEVEL_KEYS[level]
+    values = _value_columns(level, plan)
+    frames = [f for f in frames if f.height]
+    if not frames:
+        schema = {k: _KEY_TYPES[k] for k in keys} | {v: pl.Float64 for v in values}
+        return pl.DataFrame(schema=schema)
+    combined = pl.concat(
+        [
+            f.select(
+                *(pl.col(k).cast(_KEY_TYPES[k]) for k in keys),
+                *(_widen(v, f.schema[v]) for v in values),
+            )
+            for f in frames
+        ],
+        how="vertical_relaxed",
+    )
+    if len(frames) > 1 or level != "":
+        combined = combined.group_by(keys).agg(pl.col(v).sum() for v in values)
+    return combined.sort(keys, nulls_last=True)
+
+
+def _widen(name: str, dtype: pl.DataType) -> pl.Expr:
+    """Partials are summed as Int64 (counts) or Float64 (sums): no overflow, no float32 drift."""
+    if dtype.is_integer() or dtype == pl.Boolean:
+        return pl.col(name).cast(pl.Int64)
+    return pl.col(name).cast(pl.Float64)
+
+
+class PartialCache:
+    """File partials on disk, per run and plan: `<root>/token-partials/<plan>/<run>/` holds the
+    current generation of a pack — `files.arrow` (each cached file's key and id) and one Arrow
+    IPC file per level with the partials of every cached file, tagged by id — so loading costs
+    one read per level whatever the number of files. A file's key is its resolved path, size,
+    mtime, inode and the types and hive values it is read with: a rewritten or replaced file is
+    never served stale. A new generation is written in its own folder and then named in
+    `CURRENT` (an atomic rename): readers see a whole pack or the previous one."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = cache_root(root) / "token-partials"
+        self.loaded: dict[str, pl.DataFrame] = {}  # by `load`: every hit's partials, merged
+        self._ids: dict[str, int] = {}  # key -> id of the files found by `load`
+        self._packs: dict[str, pl.DataFrame] = {}
+
+    @staticmethod
+    def key(file: TokenFile) -> str:
+        size, mtime_ns, inode = file.stat
+        parts = [
+            str(file.path.resolve()),
+            str(size),
+            str(mtime_ns),
+            str(inode),
+            repr(sorted((c, str(t)) for c, t in file.schema.items() if c in file.target)),
+            repr(sorted(file.hive.items())),
+        ]
+        return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
+
+    def folder(self, run: Run, fingerprint: str) -> Path:
+        digest = hashlib.blake2b(str(run.path.resolve()).encode(), digest_size=16).hexdigest()
+        return self.root / fingerprint / digest
+
+    def load(
+        self, run: Run, files: list[TokenFile], plan: TokenPlan, fingerprint: str
+    ) -> list[bool]:
+        """Which files have cached partials; theirs, merged, are left in `self.loaded`."""
+        self.loaded, self._ids, self._packs = {}, {}, {}
+        folder = self.folder(run, fingerprint)
+        try:
+            generation = folder / (folder / "CURRENT").read_text().strip()
+            known = pl.read_ipc(generation / "files.arrow")
+            packs = {lv: pl.read_ipc(generation / f"{_pack_name(lv)}.arrow") for lv in plan.levels}
+        except (OSError, pl.exceptions.PolarsError):
+            return [False] * len(files)  # nothing yet, or unreadable: recompute
+        columns = {lv: [*LEVEL_KEYS[lv], *_value_columns(lv, plan)] for lv in plan.levels}
+        if any(c not in packs[lv].columns for lv, cols in columns.items() for c in cols):
+            return [False] * len(files)
+        stored = dict(zip(known["key"].to_list(), known["id"].to_list(), strict=True))
+        keys = [self.key(f) for f in files]
+        self._ids = {k: stored[k] for k in keys if k in stored}
+        hits = pl.Series(list(self._ids.values()), dtype=pl.Int64)
+        self._packs = {lv: pack.filter(pl.col(_ID).is_in(hits.implode())) for lv, pack in packs.items()}
+        self.loaded = {lv: self._packs[lv].select(columns[lv]) for lv in plan.levels}
+        return [k in self._ids for k in keys]
+
+    def store(
+        self,
+        run: Run,
+        fingerprint: str,
+        new: list[tuple[TokenFile, Mapping[str, pl.DataFrame]]],
+        plan: TokenPlan,
+    ) -> None:
+        """A new generation: the loaded files' partials plus the new ones (the files of this
+        snapshot only). A read-only or full cache dir costs speed, never a result."""
+        if not new:
+            return
+        ids = dict(self._ids)
+        next_id = max(ids.values(), default=-1) + 1
+        tagged: dict[str, list[pl.DataFrame]] = {lv: [] for lv in plan.levels}
+        for file, partials in new:
+            ids[self.key(file)] = next_id
+            for level in plan.levels:
+                tagged[level].append(
+                    partials[level].with_columns(pl.lit(next_id, pl.Int64).alias(_ID))
+                )
+            next_id += 1
+        folder = self.folder(run, fingerprint)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            generation = Path(tempfile.mkdtemp(dir=folder, prefix="gen-"))
+            files = pl.DataFrame(
+                {"key": list(ids), "id": list(ids.values())},
+                schema={"key": pl.String, "id": pl.Int64},
+            )
+            files.write_ipc(generation / "files.arrow")
+            for level in plan.levels:
+                old = self._packs.get(level)
+                frames = ([old] if old is not None and old.height else []) + tagged[level]
+                pack = pl.concat(frames, how="diagonal_relaxed")
+                pack.write_ipc(generation / f"{_pack_name(level)}.arrow")
+            pointer = folder / f"CURRENT.{generation.name}"
+            pointer.write_text(generation.name)
+            os.replace(pointer, folder / "CURRENT")
+        except OSError:
+            return
+        for stale in folder.glob("gen-*"):  # earlier generations (a reader may still hold one)
+            if stale != generation:
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+def _pack_name(level: str) -> str:
+    return level or "steps"
+
+
+#: Any `map`: the builtin, `Executor.map`, or a distributed engine's map over the chunks of
+#: files (Ray, Dask; README "Scaling out"). It must return one result per chunk, in order.
+Mapper = Callable[[Callable[[list[TokenFile]], list[dict[str, pl.DataFrame]]], list], Iterable]
+
+
+def scan_tokens(
+    run: Run,
+    plan: TokenPlan,
+    *,
+    cache: PartialCache | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    mapper: Mapper | None = None,
+) -> tuple[dict[str, pl.DataFrame], ScanStats]:
+    """Every level of the plan over the run's token files: cached partials where a file is
+    unchanged, `chunk_partials` of the others (mapped by `mapper`, by default over WORKERS
+    threads), merged; then the run's step range applied."""
+    files = token_files(run, plan)
+    fingerprint = plan.fingerprint(run.tables["tokens"].schema)
+    cached = (
+        cache.load(run, files, plan, fingerprint) if cache is not None else [False] * len(files)
+    )
+    todo = chunks([f for f, hit in zip(files, cached, strict=True) if not hit])
+    results: list[Mapping[str, pl.DataFrame]] = [cache.loaded] if cache and cache.loaded else []
+    new: list[tuple[TokenFile, Mapping[str, pl.DataFrame]]] = []
+    done, rows_read = sum(cached), 0
+    if progress is not None:
+        progress(done, len(files))
+    reduce_chunk = partial(chunk_partials, plan=plan)
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        for chunk, partials in zip(todo, (mapper or pool.map)(reduce_chunk, todo), strict=True):
+            for file, one in zip(chunk, partials, strict=True):
+                rows_read += int(one[""][ROWS].sum())
+                results.append(one)
+                new.append((file, one))
+            done += len(chunk)
+            if progress is not None:
+                progress(done, len(files))
+    if cache is not None:
+        cache.store(run, fingerprint, new, plan)
+    merged = merge(results, plan)
+    lo, hi = run.step_range
+    for level, frame in merged.items():
+        if lo is not None:
+            frame = frame.filter(pl.col("step") >= lo)
+        if hi is not None:
+            frame = frame.filter(pl.col("step") <= hi)
+        merged[level] = frame
+    stats = ScanStats(
+        files=len(files),
+        files_read=len(files) - sum(cached),
+        rows=int(merged[""][ROWS].sum()),
+        rows_read=rows_read,
+        cache_dir=str(cache.root) if cache is not None else None,
+    )
+    return merged, stats

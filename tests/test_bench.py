@@ -1,0 +1,42 @@
+"""`make bench` in small: the benchmark script end to end on a 2.5M-token run (no timing is
+asserted; this checks that the script runs, compares the same columns and writes its table)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytest.importorskip("duckdb")
+
+
+def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None:
+    out = tmp_path / "RESULTS.md"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_analyze.py"),
+            "--tokens",
+            "2500000",
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+            "--cache",
+            str(tmp_path / "runs"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    text = out.read_text()
+    assert "| token rows | files | analyze (s)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 2,"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 12 and all(cells)
+    assert int(cells[1]) >= 2  # token files
+    # The incremental table: after appending one file, exactly one file was read.
+    assert text.rstrip().splitlines()[-1].rstrip("|").split("|")[-1].strip() == "1"

@@ -1,0 +1,334 @@
+"""The per-file token scan: merged partials equal one pass over all rows, the cache reads only
+new or changed files, and the map/merge split runs on another executor (no cluster needed)."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+
+from rlscope import tokenscan
+from rlscope.analysis import analyze
+from rlscope.engine import compute
+from rlscope.reader import open_run
+from rlscope.tokenscan import (
+    ROWS,
+    PartialCache,
+    TokenPlan,
+    file_partials,
+    is_additive,
+    merge,
+    scan_tokens,
+    token_files,
+)
+
+WriteRun = Callable[..., Path]
+SEGMENTS = np.array(["think", "answer", "tool_call"])
+
+
+def make_tokens(seed: int, steps: range, rollouts_per_step: int = 6) -> dict[str, np.ndarray]:
+    """Token rows of `rollouts_per_step` rollouts per step, each rollout's tokens contiguous,
+    with think/answer/tool_call segments and a few NaN entropies."""
+    rng = np.random.default_rng(seed)
+    n_rollouts = len(steps) * rollouts_per_step
+    lengths = rng.integers(5, 60, n_rollouts)
+    rollout = np.repeat(np.arange(n_rollouts, dtype=np.int64), lengths)
+    step = np.repeat(np.repeat(np.array(list(steps), dtype=np.int64), rollouts_per_step), lengths)
+    n = rollout.size
+    logprob = -rng.gamma(0.7, 1.0, n)
+    entropy = rng.gamma(0.6, 1.5, n).astype(np.float32)
+    entropy[rng.choice(n, n // 50, replace=False)] = np.nan
+    starts = np.cumsum(lengths) - lengths
+    return {
+        "rollout_id": rollout,
+        "step": step,
+        "pos": (np.arange(n) - np.repeat(starts, lengths)).astype(np.int32),
+        "logprob": logprob.astype(np.float32),
+        "old_logprob": (logprob + rng.normal(0, 0.2, n)).astype(np.float32),
+        "ref_logprob": (logprob + rng.normal(0, 0.3, n)).astype(np.float32),
+        "entropy": entropy,
+        "advantage": np.repeat(rng.normal(0, 1, n_rollouts), lengths).astype(np.float32),
+        "clipped": rng.random(n) < 0.1,
+        "segment": SEGMENTS[rng.integers(0, 3, n)],
+    }
+
+
+def rollouts_of(tokens: dict[str, np.ndarray]) -> dict[str, Any]:
+    ids, first = np.unique(tokens["rollout_id"], return_index=True)
+    return {
+        "rollout_id": ids,
+        "step": tokens["step"][first],
+        "prompt_id": [f"p{i // 3}" for i in ids],
+        "reward": (ids % 2).astype(float),
+        "response_len": np.bincount(tokens["rollout_id"])[ids],
+    }
+
+
+def split(tokens: dict[str, np.ndarray], cuts: list[int]) -> list[dict[str, np.ndarray]]:
+    """The rows cut into consecutive files at the given row indices."""
+    bounds = [0, *cuts, tokens["step"].size]
+    return [{k: v[a:b] for k, v in tokens.items()} for a, b in itertools.pairwise(bounds)]
+
+
+def at_rollout_boundaries(tokens: dict[str, np.ndarray], files: int) -> list[int]:
+    starts = np.flatnonzero(np.r_[True, np.diff(tokens["rollout_id"]) != 0])
+    return [int(starts[len(starts) * k // files]) for k in range(1, files)]
+
+
+def plan_for(path: Path) -> TokenPlan:
+    """The plan `compute` would use (every token metric), built the same way."""
+    from rlscope.engine import Context, _token_plan, plan
+    from rlscope.registry import METRICS, load_all
+
+    load_all()
+    run = open_run(path)
+    chosen, _ = plan(METRICS.values(), run)
+    by_level: dict[str, list[Any]] = {"": []}
+    for variant in chosen.values():
+        if variant.table == "tokens":
+            by_level.setdefault(variant.level, []).append(variant)
+    return _token_plan(run, by_level, Context(run))
+
+
+def assert_frames_close(a: pl.DataFrame, b: pl.DataFrame) -> None:
+    assert a.columns == b.columns
+    assert a.height == b.height
+    for column in a.columns:
+        x, y = a[column], b[column]
+        if x.dtype.is_float():
+            np.testing.assert_allclose(x.to_numpy(), y.to_numpy(), rtol=1e-12, atol=1e-12)
+        else:
+            assert x.to_list() == y.to_list(), column
+
+
+def assert_results_close(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Same metrics, steps and values up to float summation order."""
+    assert a.keys() == b.keys()
+    for metric_id, result in a.items():
+        other = b[metric_id]
+        assert result.steps == other.steps, metric_id
+        np.testing.assert_allclose(
+            [np.nan if v is None else v for v in result.values],
+            [np.nan if v is None else v for v in other.values],
+            rtol=1e-12,
+            err_msg=metric_id,
+        )
+
+
+def test_merged_file_partials_equal_direct_numpy_sums(write_run: WriteRun) -> None:
+    tokens = make_tokens(0, range(1, 9))
+    n = tokens["step"].size
+    cuts = [n // 5, n // 5 + 1, n // 2, 4 * n // 5]  # anywhere, one file of a single row
+    run = write_run({"rollouts": rollouts_of(tokens), "tokens": split(tokens, cuts)})
+    levels, stats = scan_tokens(open_run(run), plan_for(run))
+    assert stats.files == stats.files_read == 5 and stats.rows == tokens["step"].size
+    steps = levels[""]
+    for row in steps.iter_rows(named=True):
+        m = tokens["step"] == row["step"]
+        entropy = tokens["entropy"][m].astype(np.float64)
+        assert row[ROWS] == m.sum()
+        assert row["ent_n"] == np.isfinite(entropy).sum()
+        assert row["ent_sum"] == pytest.approx(np.nansum(entropy), rel=1e-12)
+        assert row["clip_n"] == tokens["clipped"][m].sum()
+        assert row["__invalid__entropy"] == np.isnan(entropy).sum()
+        lp, ref = (tokens[c][m].astype(np.float64) for c in ("logprob", "ref_logprob"))
+        d = ref - lp
+        assert row["kl_sum"] == pytest.approx(np.sum(np.exp(d) - d - 1), rel=1e-12)
+    segments = levels["segments"]
+    for row in segments.iter_rows(named=True):
+        m = (tokens["step"] == row["step"]) & (tokens["segment"] == row["segment"])
+        assert row["seg_tokens"] == m.sum()
+        # Exact: every rollout's tokens are within one file (cuts at rollout boundaries or not,
+        # a rollout split by a cut is counted once per file: see the bound test below).
+        assert row["seg_rollouts"] >= np.unique(tokens["rollout_id"][m]).size
+    bins = levels["entropy_bins"]
+    finite = np.isfinite(tokens["entropy"])
+    assert int(bins["ent_n"].sum()) == finite.sum()
+    expected = np.floor(
+        np.log1p(np.maximum(tokens["entropy"][finite].astype(np.float64), 0) / 0.05) * 100
+    ).astype(np.int64)
+    values, counts = np.unique(expected, return_counts=True)
+    over_steps = bins.group_by("entropy_bin").agg(pl.col("ent_n").sum()).sort("entropy_bin")
+    assert over_steps["entropy_bin"].to_list() == values.tolist()
+    assert over_steps["ent_n"].to_list() == counts.tolist()
+
+
+def test_file_layout_does_not_change_any_metric(write_run: WriteRun) -> None:
+    """One file, or many cut at rollout boundaries, or many cut anywhere: the same results
+    (the distinct-rollout count per segment is exact when no rollout spans two files)."""
+    tokens = make_tokens(1, range(1, 13))
+    rollouts = rollouts_of(tokens)
+    one = write_run({"rollouts": rollouts, "tokens": tokens})
+    many = write_run(
+        {"rollouts": rollouts, "tokens": split(tokens, at_rollout_boundaries(tokens, 7))}
+    )
+    a, b = compute(open_run(one)), compute(open_run(many))
+    assert a.tokens.files == 1 and b.tokens.files == 7
+    assert_results_close(a.results, b.results)
+
+
+def test_rollouts_split_across_batches_overcount_within_the_stated_bound(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Distinct rollouts per (step, segment) are counted per batch: a rollout cut by a batch
+    (or file) boundary counts once per piece, so the over-count is at most the number of
+    boundaries inside the step."""
+    tokens = make_tokens(2, range(1, 4), rollouts_per_step=20)
+    run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
+    exact, _ = scan_tokens(open_run(run), plan_for(run))
+    monkeypatch.setattr(tokenscan, "BATCH_ROWS", 97)
+    batched, _ = scan_tokens(open_run(run), plan_for(run))
+    boundaries = tokens["step"].size // 97
+    over = batched["segments"]["seg_rollouts"] - exact["segments"]["seg_rollouts"]
+    assert 0 < int(over.sum()) <= boundaries * len(SEGMENTS)
+    assert (over >= 0).all()
+    # Everything else is a sum, exact whatever the batching.
+    assert_frames_close(batched[""], exact[""])
+    assert_frames_close(batched["entropy_bins"], exact["entropy_bins"])
+
+
+def test_unsorted_rows_take_the_group_by_path_with_the_same_result(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sorted rows are reduced run by run of one step (forced here for a small file), shuffled
+    ones by a group-by: the same partials."""
+    monkeypatch.setattr(tokenscan, "MIN_STEP_RUN_ROWS", 1)
+    tokens = make_tokens(3, range(1, 30), rollouts_per_step=1)
+    order = np.random.default_rng(0).permutation(tokens["step"].size)
+    shuffled = {k: v[order] for k, v in tokens.items()}
+    rollouts = rollouts_of(tokens)
+    sorted_run = write_run({"rollouts": rollouts, "tokens": tokens})
+    shuffled_run = write_run({"rollouts": rollouts, "tokens": shuffled})
+    a, _ = scan_tokens(open_run(sorted_run), plan_for(sorted_run))
+    b, _ = scan_tokens(open_run(shuffled_run), plan_for(shuffled_run))
+    for level in ("", "entropy_bins"):
+        assert_frames_close(a[level], b[level])
+    assert a["ids"].equals(b["ids"])
+
+
+def test_merge_is_associative(write_run: WriteRun) -> None:
+    tokens = make_tokens(4, range(1, 7))
+    n = tokens["step"].size
+    run = write_run({"rollouts": rollouts_of(tokens), "tokens": split(tokens, [n // 4, n // 2])})
+    plan = plan_for(run)
+    parts = [file_partials(f, plan) for f in token_files(open_run(run), plan)]
+    flat = merge(parts, plan)
+    nested = merge([merge(parts[:2], plan), merge(parts[2:], plan)], plan)
+    for level in plan.levels:
+        assert_frames_close(flat[level], nested[level])
+
+
+def test_reanalysis_reads_only_the_appended_file(
+    write_run: WriteRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = make_tokens(5, range(1, 11))
+    pieces = split(tokens, at_rollout_boundaries(tokens, 4))
+    run = write_run({"rollouts": rollouts_of(tokens), "tokens": pieces[:3]})
+    cache = tmp_path / "cache"
+    read: list[str] = []
+    original = tokenscan._batches
+    monkeypatch.setattr(
+        tokenscan, "_batches", lambda file: (read.append(file.path.name), original(file))[1]
+    )
+
+    first = compute(open_run(run), cache=PartialCache(cache))
+    assert (first.tokens.files, first.tokens.files_read) == (3, 3) and len(read) == 3
+    again = compute(open_run(run), cache=PartialCache(cache))
+    assert again.tokens.files_read == 0 and again.tokens.rows_read == 0 and len(read) == 3
+    assert_results_close(again.results, first.results)
+
+    # The trainer appends a file: only that one is read.
+    extra = pieces[3]
+    pl.DataFrame(extra).write_parquet(run / "tokens" / "r000-999999.parquet")
+    grown = compute(open_run(run), cache=PartialCache(cache))
+    assert (grown.tokens.files, grown.tokens.files_read) == (4, 1)
+    assert read[3:] == ["r000-999999.parquet"]
+    assert grown.tokens.rows_read == extra["step"].size
+    assert grown.tokens.rows == tokens["step"].size
+    # And the answer is the full scan's.
+    assert_results_close(compute(open_run(run)).results, grown.results)
+
+
+def test_a_rewritten_file_is_read_again_and_a_corrupt_cache_entry_recomputed(
+    write_run: WriteRun, tmp_path: Path
+) -> None:
+    tokens = make_tokens(6, range(1, 5))
+    run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
+    cache = PartialCache(tmp_path / "cache")
+    before = compute(open_run(run), cache=cache)
+    (path,) = (run / "tokens").glob("*.parquet")
+    changed = dict(tokens, entropy=tokens["entropy"] * 2)
+    pl.DataFrame(changed).write_parquet(path)
+    os.utime(path, ns=(1, 1))  # even an odd mtime is a different key
+    after = compute(open_run(run), cache=cache)
+    assert after.tokens.files_read == 1
+    assert after.results["behavior.entropy"].value == pytest.approx(
+        2 * before.results["behavior.entropy"].value, rel=1e-6
+    )
+    for entry in cache.root.rglob("*.arrow"):
+        entry.write_bytes(b"not parquet")
+    again = compute(open_run(run), cache=cache)
+    assert again.tokens.files_read == 1
+    assert_results_close(again.results, after.results)
+
+
+def test_an_unwritable_cache_costs_speed_not_results(write_run: WriteRun, tmp_path: Path) -> None:
+    tokens = make_tokens(7, range(1, 5))
+    run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    result = compute(open_run(run), cache=PartialCache(blocked))
+    assert_results_close(result.results, compute(open_run(run)).results)
+
+
+def test_analyze_never_writes_into_the_run_and_no_cache_writes_nothing(
+    write_run: WriteRun, tmp_path: Path
+) -> None:
+    tokens = make_tokens(8, range(1, 5))
+    run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
+    before = sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*"))
+    analyze(run, cache_dir=tmp_path / "off", use_cache=False)
+    assert not (tmp_path / "off").exists()
+    analyze(run, cache_dir=tmp_path / "on")
+    assert list((tmp_path / "on").rglob("*.arrow"))
+    assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+def _spawn_pool_map(fn: Any, files: list[Any]) -> list[Any]:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=2, mp_context=context) as pool:
+        return list(pool.map(fn, files))
+
+
+def test_map_merge_on_another_executor_gives_the_same_report(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-file stage in separate processes (what Ray or Dask would run on workers), the
+    merge on the driver: the same metrics as the default in-process scan."""
+    monkeypatch.setattr(tokenscan, "CHUNK_BYTES", 1)  # a chunk per file: five tasks
+    tokens = make_tokens(9, range(1, 9))
+    run = write_run(
+        {"rollouts": rollouts_of(tokens), "tokens": split(tokens, at_rollout_boundaries(tokens, 5))}
+    )
+    local = compute(open_run(run))
+    distributed = compute(open_run(run), mapper=_spawn_pool_map)
+    assert distributed.tokens.files_read == 5
+    assert_results_close(distributed.results, local.results)
+
+
+def test_every_token_partial_is_mergeable() -> None:
+    """A mean or a max per file cannot be merged by summing: the plan refuses it."""
+    assert is_additive(pl.col("x").cast(pl.Float64).sum())
+    assert is_additive(pl.col("x").count().cast(pl.Int64))
+    assert not is_additive(pl.col("x").mean())
+    assert not is_additive(pl.col("x").max().cast(pl.Float64))
+    with pytest.raises(ValueError, match="must be a sum"):
+        TokenPlan({"": {"m": pl.col("x").mean()}})
