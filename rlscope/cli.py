@@ -181,6 +181,8 @@ def analyze(
 
       rlscope analyze verl_dumps/ --from verl   # a trainer's own output, imported to the cache
 
+      rlscope analyze runs/r1 --no-cache   # read every token file, keep no partials
+
     Exit codes: 0 nothing at or above --fail-on, 1 there is, 2 usage or input error.
     """
     from rlscope.analysis import analyze as run_analysis

@@ -9,11 +9,12 @@ is a group-by-sum. That makes three things cheap:
 
 * memory: a batch of at most `BATCH_ROWS` rows is in memory at a time (per worker), whatever the
   run's size; what is kept is per step, never per token;
-* re-analysis: a file's partials are cached in the user cache dir, keyed by the file's path, size
-  and mtime and by the plan (which partials, over which columns), so re-analysing a growing run
-  reads only the files that are new since the last time;
-* scaling out: `file_partials` is a pure function of (file, plan), so any map over files (a
-  process pool, Ray, Dask) can run it, with `merge` on the driver (README "Scaling out").
+* re-analysis: each file's partials are cached in the user cache dir (one pack per run and
+  plan), keyed by the file's path, size, mtime and inode, so re-analysing a growing run reads
+  only the files that are new since the last time;
+* scaling out: `chunk_partials` is a pure function of (files, plan), so any map over chunks of
+  files (a process pool, Ray, Dask) can run it, with `merge` on the driver (README "Scaling
+  out").
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def entropy_bins(entropy: pl.Series) -> np.ndarray:
 
 
 def entropy_bin_midpoint(bin_index: pl.Expr) -> pl.Expr:
-    """The entropy at the middle of a bin (inverse of `entropy_bin`)."""
+    """The entropy at the middle of a bin (inverse of `entropy_bins`)."""
     centre = (bin_index.cast(pl.Float64) + 0.5) / ENTROPY_BINS_PER_EFOLD
     return ENTROPY_BIN_OFFSET * (centre.exp() - 1.0)
 
@@ -118,8 +119,8 @@ class TokenPlan:
         for level, exprs in self.partials.items():
             if level not in LEVEL_KEYS or level == "ids":
                 raise ValueError(f"unknown token level {level!r}")
-            if level == "entropy_bins" and not all(e.meta.eq(BIN_COUNT) for e in exprs.values()):
-                raise ValueError("the entropy_bins level is a histogram: its partial is BIN_COUNT")
+            if level == "entropy_bins" and [e.meta.eq(BIN_COUNT) for e in exprs.values()] != [True]:
+                raise ValueError("the entropy_bins level is a histogram: one partial, BIN_COUNT")
             for name, expr in exprs.items():
                 if not is_additive(expr):
                     raise ValueError(
@@ -231,7 +232,9 @@ def _level_queries(lf: pl.LazyFrame, plan: TokenPlan, keys: list[str]) -> dict[s
     ]
     base = [pl.len().cast(pl.Int64).alias(ROWS), *invalid]
     exprs = [e.alias(n) for n, e in plan.partials.get("", {}).items()]
-    stepped = lf.with_columns(**plan.prelude) if plan.prelude and exprs else lf
+    stepped = lf
+    for name, expr in plan.prelude.items() if exprs else ():  # in order: each may use the last
+        stepped = stepped.with_columns(expr.alias(name))
     queries[""] = (
         stepped.group_by(keys).agg(*base, *exprs) if keys else stepped.select(*base, *exprs)
     )
@@ -468,7 +471,9 @@ class PartialCache:
         keys = [self.key(f) for f in files]
         self._ids = {k: stored[k] for k in keys if k in stored}
         hits = pl.Series(list(self._ids.values()), dtype=pl.Int64)
-        self._packs = {lv: pack.filter(pl.col(_ID).is_in(hits.implode())) for lv, pack in packs.items()}
+        self._packs = {
+            lv: pack.filter(pl.col(_ID).is_in(hits.implode())) for lv, pack in packs.items()
+        }
         self.loaded = {lv: self._packs[lv].select(columns[lv]) for lv in plan.levels}
         return [k in self._ids for k in keys]
 

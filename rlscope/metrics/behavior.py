@@ -481,7 +481,12 @@ for _segment, _what in _SEGMENT_DOCS.items():
             "names per segment are set under [tags] in config). `components.present` is the "
             "share of rollouts with the segment. Read with behavior.response_len: a think segment "
             "that grows while the answer and accuracy do not is spurious length growth "
-            "localised.",
+            "localised. From tokens, rollouts are counted per batch of a token file (files are "
+            "reduced separately and merged): exact when each rollout's tokens lie in one batch, "
+            "as RunWriter and the importers write them; a rollout cut by a file or batch "
+            "boundary counts once per piece, so the length is low by at most a share B/R (B "
+            "boundaries inside the step, R rollouts with the segment; with 1M-row files of 1k-"
+            "token responses, 0.1% per boundary).",
             healthy="task-dependent; growth should come with accuracy, and no segment vanishing",
             variants=(
                 _segment_tokens(_segment),
