@@ -147,18 +147,11 @@ def analyze_cmd(run: Path, *extra: str) -> list[str]:
 
 def check_columns(run: Path) -> None:
     """The bare scan and DuckDB read what analyze reads."""
-    from rlscope.engine import Context, _token_plan, plan
+    from rlscope.engine import token_plan
     from rlscope.reader import open_run
-    from rlscope.registry import METRICS, load_all
 
-    load_all()
     opened = open_run(run)
-    chosen, _ = plan(METRICS.values(), opened)
-    by_level: dict[str, list] = {"": []}
-    for variant in chosen.values():
-        if variant.table == "tokens":
-            by_level.setdefault(variant.level, []).append(variant)
-    read = _token_plan(opened, by_level, Context(opened)).columns(opened.tables["tokens"].schema)
+    read = token_plan(opened).columns(opened.tables["tokens"].schema)
     if sorted(read) != sorted(TOKEN_COLUMNS):
         raise SystemExit(f"analyze reads {read}, the baselines {TOKEN_COLUMNS}")
 

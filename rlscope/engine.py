@@ -131,6 +131,19 @@ def aggregate_query(
     return lf.group_by("step").agg(exprs)
 
 
+def token_plan(run: Run, text: TextSettings | None = None) -> TokenPlan:
+    """The token scan's plan for every registered metric the run can feed (what `compute`
+    reads of the tokens table), e.g. to map its files on other workers."""
+    load_all()
+    ctx = Context(run, text=text or TextSettings())
+    chosen, _ = plan(METRICS.values(), run)
+    by_level: dict[str, list[Variant]] = {"": []}
+    for variant in chosen.values():
+        if variant.table == "tokens":
+            by_level.setdefault(variant.level, []).append(variant)
+    return _token_plan(run, by_level, ctx)
+
+
 def _token_plan(run: Run, by_level: dict[str, list[Variant]], ctx: Context) -> TokenPlan:
     """The token scan's plan: every level's partials, the step level's prelude, the float
     columns whose NaN/inf values are counted, and the rollout ids when there are rollouts."""

@@ -180,7 +180,6 @@ class ScanStats:
     files_read: int = 0
     rows: int = 0  # token rows in the step range
     rows_read: int = 0  # token rows read now (the rest came from the cache)
-    cache_dir: str | None = None
 
 
 def token_files(run: Run, plan: TokenPlan) -> list[TokenFile]:
@@ -578,6 +577,5 @@ def scan_tokens(
         files_read=len(files) - sum(cached),
         rows=int(merged[""][ROWS].sum()),
         rows_read=rows_read,
-        cache_dir=str(cache.root) if cache is not None else None,
     )
     return merged, stats

@@ -17,7 +17,7 @@ import pytest
 
 from rlscope import tokenscan
 from rlscope.analysis import analyze
-from rlscope.engine import compute
+from rlscope.engine import compute, token_plan
 from rlscope.reader import open_run
 from rlscope.tokenscan import (
     ROWS,
@@ -84,18 +84,8 @@ def at_rollout_boundaries(tokens: dict[str, np.ndarray], files: int) -> list[int
 
 
 def plan_for(path: Path) -> TokenPlan:
-    """The plan `compute` would use (every token metric), built the same way."""
-    from rlscope.engine import Context, _token_plan, plan
-    from rlscope.registry import METRICS, load_all
-
-    load_all()
-    run = open_run(path)
-    chosen, _ = plan(METRICS.values(), run)
-    by_level: dict[str, list[Any]] = {"": []}
-    for variant in chosen.values():
-        if variant.table == "tokens":
-            by_level.setdefault(variant.level, []).append(variant)
-    return _token_plan(run, by_level, Context(run))
+    """The plan `compute` uses for every token metric."""
+    return token_plan(open_run(path))
 
 
 def assert_frames_close(a: pl.DataFrame, b: pl.DataFrame) -> None:
