@@ -57,8 +57,10 @@ MAX_STEP_RUNS = 32
 MIN_STEP_RUN_ROWS = 50_000
 #: Small files are reduced together, up to this many bytes of Parquet per chunk of work.
 CHUNK_BYTES = 16 * 2**20
-#: Chunks reduced at once: each worker holds one batch; reads and Polars use every core anyway.
-WORKERS = 2
+#: Chunks reduced at once, each worker holding one batch: reads and Polars use every core
+#: anyway, but a third worker fills the gaps while the others are between batches (measured on
+#: 2 cores: ~10% faster than 2 workers, ~0.07 GiB more).
+WORKERS = 3
 #: Level -> its group keys. "ids" counts token rows per (step, rollout_id): merged over files,
 #: it finds tokens whose rollout is not in the rollouts table.
 LEVEL_KEYS: dict[str, tuple[str, ...]] = {
@@ -496,7 +498,7 @@ def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl
                 reduce_pending()
     if pending:
         reduce_pending()
-    return [{lv: _sum_by_keys(lv, frames, plan) for lv, frames in p.items()} for p in parts]
+    return _summed(parts, plan)
 
 
 def file_partials(file: TokenFile, plan: TokenPlan) -> dict[str, pl.DataFrame]:
@@ -513,7 +515,7 @@ def merge(
     for one in partials:
         for level in plan.levels:
             parts[level].append(one[level])
-    return {level: _sum_by_keys(level, frames, plan) for level, frames in parts.items()}
+    return _summed([parts], plan)[0]
 
 
 def _value_columns(level: str, plan: TokenPlan) -> list[str]:
@@ -525,16 +527,17 @@ def _value_columns(level: str, plan: TokenPlan) -> list[str]:
     return names
 
 
-def _sum_by_keys(level: str, frames: list[pl.DataFrame], plan: TokenPlan) -> pl.DataFrame:
+def _sum_by_keys(level: str, frames: list[pl.DataFrame], plan: TokenPlan) -> pl.LazyFrame:
+    """Partials summed per key of the level (a query: the caller collects many at once)."""
     keys = LEVEL_KEYS[level]
     values = _value_columns(level, plan)
     frames = [f for f in frames if f.height]
     if not frames:
         schema = {k: _KEY_TYPES[k] for k in keys} | {v: pl.Float64 for v in values}
-        return pl.DataFrame(schema=schema)
+        return pl.LazyFrame(schema=schema)
     combined = pl.concat(
         [
-            f.select(
+            f.lazy().select(
                 *(pl.col(k).cast(_KEY_TYPES[k]) for k in keys),
                 *(_widen(v, f.schema[v]) for v in values),
             )
@@ -545,6 +548,15 @@ def _sum_by_keys(level: str, frames: list[pl.DataFrame], plan: TokenPlan) -> pl.
     if len(frames) > 1 or level != "":
         combined = combined.group_by(keys).agg(pl.col(v).sum() for v in values)
     return combined.sort(keys, nulls_last=True)
+
+
+def _summed(
+    parts: list[Mapping[str, list[pl.DataFrame]]], plan: TokenPlan
+) -> list[dict[str, pl.DataFrame]]:
+    """Each element's frames summed per key of their level (`_sum_by_keys`), collected at once."""
+    queries = [_sum_by_keys(lv, frames, plan) for one in parts for lv, frames in one.items()]
+    results = iter(pl.collect_all(queries))
+    return [{lv: next(results) for lv in one} for one in parts]
 
 
 def _widen(name: str, dtype: pl.DataType) -> pl.Expr:
