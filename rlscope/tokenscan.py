@@ -5,7 +5,9 @@ module alone, one file at a time and once per `analyze`: each file (in batches o
 is reduced to small per-step partial aggregates — the per-step sums, the per-(step, entropy
 bin) histogram, the per-(step, segment) sums and the per-(step, rollout_id) token counts that
 find tokens without a rollout — which are all sums, so merging files (or batches, or machines)
-is a group-by-sum. That makes three things cheap:
+is a group-by-sum. A batch sorted by step is reduced step by step without hashing rows, and the
+segment and rollout levels from the runs of rows of one (rollout, segment), a row per run. That
+makes three things cheap:
 
 * memory: a batch of at most `BATCH_ROWS` rows is in memory at a time (per worker), whatever the
   run's size; what is kept is per step, never per token;
@@ -337,15 +339,8 @@ def _run_levels(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame]
             elif kind == "rollouts":
                 exprs.append(pl.col(_RUN_ROLLOUT).n_unique().alias(name))
             else:
-                values = frame[column]
-                if kind == "sum":
-                    summed = values.fill_null(0).to_numpy() if values.null_count() else values
-                    per_run.append(pl.Series(name, _run_sums(summed, starts, np.float64)))
-                elif values.null_count():
-                    valid = values.is_not_null().to_numpy()
-                    per_run.append(pl.Series(name, _run_sums(valid, starts, np.int64)))
-                else:
-                    per_run.append(pl.Series(name, lengths))
+                values = _per_run(kind, frame[column], starts, lengths)
+                per_run.append(pl.Series(name, values))
                 exprs.append(pl.col(name).sum())
         levels["segments"] = (
             runs.with_columns(per_run)
@@ -357,10 +352,14 @@ def _run_levels(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame]
     return levels
 
 
-def _run_sums(values: pl.Series | np.ndarray, starts: np.ndarray, dtype: type) -> np.ndarray:
-    """Per-run sums of `values` (without nulls), accumulated in `dtype`."""
-    array = values.to_numpy() if isinstance(values, pl.Series) else values
-    return np.add.reduceat(array, starts, dtype=dtype)
+def _per_run(kind: str, values: pl.Series, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """A column's sum (in float64, nulls skipped) or count of non-null values per run."""
+    if kind == "sum":
+        array = (values.fill_null(0) if values.null_count() else values).to_numpy()
+        return np.add.reduceat(array, starts, dtype=np.float64)
+    if values.null_count():
+        return np.add.reduceat(values.is_not_null().to_numpy(), starts, dtype=np.int64)
+    return lengths
 
 
 def _grouped_levels(

@@ -322,3 +322,86 @@ def test_every_token_partial_is_mergeable() -> None:
     assert not is_additive(pl.col("x").max().cast(pl.Float64))
     with pytest.raises(ValueError, match="must be a sum"):
         TokenPlan({"": {"m": pl.col("x").mean()}})
+
+
+@pytest.mark.parametrize("segment_type", [pl.String, pl.Categorical])
+def test_runs_of_one_rollout_and_segment_give_the_group_by_partials(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch, segment_type: pl.DataType
+) -> None:
+    """One step's sorted rows get their segments and ids levels from runs of one (rollout,
+    segment) (a row per run), shuffled rows from a group-by per row: the same partials, with
+    null segments, NaN entropies and segments interleaved within a rollout."""
+    monkeypatch.setattr(tokenscan, "MIN_STEP_RUN_ROWS", 1)
+    tokens = make_tokens(5, range(1, 9), rollouts_per_step=4)
+    n = tokens["step"].size
+    rng = np.random.default_rng(5)
+    segment = tokens["segment"].astype(object)
+    segment[rng.choice(n, n // 10, replace=False)] = None
+    # Long spans too (not only one-token runs): the first half of each step's rows is "think".
+    segment[: n // 2][rng.random(n // 2) < 0.7] = "think"
+    frame = pl.DataFrame({**tokens, "segment": segment}).with_columns(
+        pl.col("segment").cast(segment_type)
+    )
+    order = rng.permutation(n)
+    rollouts = rollouts_of(tokens)
+    sorted_run = write_run({"rollouts": rollouts, "tokens": [frame]})
+    shuffled = frame.select(pl.all().gather(order))
+    shuffled_run = write_run({"rollouts": rollouts, "tokens": [shuffled]})
+    plan = plan_for(sorted_run)
+    a, _ = scan_tokens(open_run(sorted_run), plan)
+    b, _ = scan_tokens(open_run(shuffled_run), plan)
+    for level in plan.levels:
+        assert_frames_close(a[level], b[level])
+    # And against numpy, row by row.
+    for row in a["segments"].iter_rows(named=True):
+        m = (tokens["step"] == row["step"]) & (segment == row["segment"])
+        assert row["seg_tokens"] == m.sum()
+        assert row["seg_rollouts"] == np.unique(tokens["rollout_id"][m]).size
+        entropy = tokens["entropy"][m].astype(np.float64)
+        assert row["ent_n"] == np.isfinite(entropy).sum()
+        assert row["ent_sum"] == pytest.approx(np.nansum(entropy), rel=1e-12)
+    assert a["segments"]["seg_tokens"].sum() == sum(s is not None for s in segment)
+    ids = a["ids"]
+    assert ids["len"].to_list() == np.bincount(tokens["rollout_id"])[ids["rollout_id"]].tolist()
+
+
+def test_the_built_in_segment_partials_are_reduced_from_runs(write_run: WriteRun) -> None:
+    """Every segments-level partial of the built-in metrics has a shape the runs path computes
+    (else that level would fall back to a group-by per row: correct, but slower)."""
+    tokens = make_tokens(6, range(1, 3))
+    run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
+    opened = open_run(run)
+    plan = plan_for(run)
+    (file,) = token_files(opened, plan)
+    frame = pl.read_parquet(file.path, columns=list(file.target)).filter(pl.col("step") == 1)
+    assert set(tokenscan._run_levels(frame, plan)) == {"segments", "ids"}
+    # A null rollout_id, or a partial of another shape, is left to the group-by.
+    assert tokenscan._run_levels(frame.with_columns(rollout_id=None), plan) == {}
+    odd = TokenPlan({"segments": {"top": pl.col("entropy").max().cast(pl.Float64).sum()}})
+    assert tokenscan._run_levels(frame, odd) == {}
+
+
+def test_finite_values_whose_float32_sum_overflows_are_not_flagged(write_run: WriteRun) -> None:
+    """NaN/inf are found by a column's sum (finite: none), and row by row when the sum is not
+    finite: an overflowing sum of finite values flags nothing; a real inf is counted."""
+    tokens = make_tokens(7, range(1, 3))
+    tokens["entropy"] = np.full(tokens["step"].size, 3e38, dtype=np.float32)
+    tokens["logprob"][:3] = np.inf
+    run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
+    levels, _ = scan_tokens(open_run(run), plan_for(run))
+    steps = levels[""]
+    assert steps["__invalid__entropy"].sum() == 0
+    assert steps["ent_n"].sum() == tokens["step"].size
+    assert steps["ent_sum"].sum() == pytest.approx(3e38 * tokens["step"].size, rel=1e-6)
+    assert steps["__invalid__logprob"].sum() == 3
+
+
+def test_a_file_is_read_in_even_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """250 rows at BATCH_ROWS = 100: three batches of about 83, not 100, 100 and 50."""
+    monkeypatch.setattr(tokenscan, "BATCH_ROWS", 100)
+    path = tmp_path / "tokens.parquet"
+    pl.DataFrame({"step": np.arange(250)}).write_parquet(path)
+    file = tokenscan.TokenFile(path, {"step": pl.Int64}, {"step": pl.Int64}, {}, (0, 0, 0))
+    sizes = [batch.height for batch in tokenscan._batches(file)]
+    assert sum(sizes) == 250 and len(sizes) == 3
+    assert max(sizes) - min(sizes) <= 2
