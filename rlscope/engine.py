@@ -260,6 +260,22 @@ def compute(
         queries.append(
             aggregate_query(run, table, level, partials, counted.get((table, level)), prelude)
         )
+    warnings: list[str] = []
+    scan_stats = ScanStats()
+    token_frames: dict[str, pl.DataFrame] = {}
+    if token_levels:
+        token_plan = _token_plan(
+            run, {lvl: by_level.get(("tokens", lvl), []) for lvl in token_levels}, context
+        )
+        try:
+            token_frames, scan_stats = scan_tokens(
+                run, token_plan, cache=cache, progress=progress, mapper=mapper
+            )
+            orphans = orphan_warning(run, token_frames.pop("ids")) if token_plan.ids else None
+        except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
+            raise scan_error(run, ["tokens"], "reading tokens", exc) from None
+        counted["tokens", ""] = list(token_plan.count_invalid)
+        warnings += [orphans] if orphans else []
     tables = list(dict.fromkeys(table for table, _ in levels))
     what = "reading " + ", ".join(tables)
     # The per-rollout text query runs alone, in small morsels: a morsel of long responses and
@@ -272,24 +288,9 @@ def compute(
     collected = _collect(queries, what, run, tables)
     if text_query is not None:
         collected.insert(text_query, text_frame[0])
-    warnings: list[str] = []
-    scan_stats = ScanStats()
-    if token_levels:
-        token_plan = _token_plan(
-            run, {lvl: by_level.get(("tokens", lvl), []) for lvl in token_levels}, context
-        )
-        try:
-            token_frames, scan_stats = scan_tokens(
-                run, token_plan, cache=cache, progress=progress, mapper=mapper
-            )
-            orphans = orphan_warning(run, token_frames.pop("ids")) if token_plan.ids else None
-        except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
-            raise scan_error(run, ["tokens"], "reading tokens", exc) from None
-        for level in token_levels:
-            levels.append(("tokens", level))
-            collected.append(token_frames[level])
-        counted["tokens", ""] = list(token_plan.count_invalid)
-        warnings += [orphans] if orphans else []
+    for level in token_levels:
+        levels.append(("tokens", level))
+        collected.append(token_frames[level])
     run.check_unchanged()  # every file read is the one listed at open
     aggregates = {}
     for key, frame in zip(levels, collected, strict=True):

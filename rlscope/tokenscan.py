@@ -704,10 +704,14 @@ def scan_tokens(
             for file, one in zip(chunk, partials, strict=True):
                 rows_read += int(one[""][ROWS].sum())
                 results.append(one)
-                new.append((file, one))
+                if cache is not None:
+                    new.append((file, one))
             done += len(chunk)
             if progress is not None:
                 progress(done, len(files))
+    # Arrow's allocator keeps the freed decode buffers for reuse; hand them back, so that what
+    # `analyze` reads next (with Polars' allocator) does not stack on top of them.
+    pa.default_memory_pool().release_unused()
     if cache is not None:
         cache.store(run, fingerprint, new, plan)
     merged = merge(results, plan)
