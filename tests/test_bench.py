@@ -34,9 +34,10 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
     )
     text = out.read_text()
     assert "| token rows | files | analyze (s)" in text
+    assert "Start-up (`rlscope --help`" in text
     row = next(line for line in text.splitlines() if line.startswith("| 2,"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 12 and all(cells)
+    assert len(cells) == 13 and all(cells)
     assert int(cells[1]) >= 2  # token files
     # The incremental table: after appending one file, exactly one file was read.
     assert text.rstrip().splitlines()[-1].rstrip("|").split("|")[-1].strip() == "1"
