@@ -415,6 +415,10 @@ def test_file_removed_or_rewritten_after_open(tmp_path: Path) -> None:
 
 
 LIVE_FLUSH = 40
+# Batches of 8 rollouts the writer logs (a file per 5 batches and table) once the first analysis
+# is done. Bounded: each analysis reads every file, so an unbounded writer (a file every few ms)
+# makes each analysis slower than the last, without end on a slow machine.
+LIVE_BATCHES = 1000
 
 
 def test_live_run_snapshot(tmp_path: Path) -> None:
@@ -423,6 +427,7 @@ def test_live_run_snapshot(tmp_path: Path) -> None:
     errors: list[BaseException] = []
     writer = RunWriter(run, flush_rows={"rollouts": LIVE_FLUSH, "tokens": 4 * LIVE_FLUSH})
     first_flush = threading.Event()
+    first_analysis = threading.Event()
 
     def rows_on_disk() -> int:
         return sum(pq.read_metadata(p).num_rows for p in (run / "rollouts").glob("*.parquet"))
@@ -430,7 +435,8 @@ def test_live_run_snapshot(tmp_path: Path) -> None:
     def write() -> None:
         try:
             i = 0
-            while not stop.is_set():
+            # Writes go on until the first analysis is over (so that later ones see more rows).
+            while not stop.is_set() and (i < LIVE_BATCHES or not first_analysis.is_set()):
                 ids = np.arange(i * 8, (i + 1) * 8, dtype=np.int64)
                 writer.log_rollouts(
                     {
@@ -472,6 +478,7 @@ def test_live_run_snapshot(tmp_path: Path) -> None:
             assert n % LIVE_FLUSH == 0
             assert report.metrics["signal.reward"].value is not None
             seen.append(n)
+            first_analysis.set()
         assert seen[-1] > seen[0], "the writer made no progress during the analyses"
     finally:
         stop.set()

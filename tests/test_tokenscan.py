@@ -405,3 +405,53 @@ def test_a_file_is_read_in_even_batches(tmp_path: Path, monkeypatch: pytest.Monk
     sizes = [batch.height for batch in tokenscan._batches(file)]
     assert sum(sizes) == 250 and len(sizes) == 3
     assert max(sizes) - min(sizes) <= 2
+
+
+def test_a_step_in_two_runs_of_one_file_is_one_row(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of steps 1, 2, then 1 again in one file (three runs of one step): every level has
+    one row per key, as the group-by path gives."""
+    monkeypatch.setattr(tokenscan, "MIN_STEP_RUN_ROWS", 1)
+    first, second = make_tokens(8, range(1, 3)), make_tokens(9, range(1, 2))
+    second["rollout_id"] = second["rollout_id"] + first["rollout_id"].max() + 1
+    tokens = {k: np.concatenate([first[k], second[k]]) for k in first}
+    order = np.random.default_rng(8).permutation(tokens["step"].size)
+    rollouts = rollouts_of(tokens)
+    runs = write_run({"rollouts": rollouts, "tokens": tokens})
+    shuffled = write_run({"rollouts": rollouts, "tokens": {k: v[order] for k, v in tokens.items()}})
+    plan = plan_for(runs)
+    a, _ = scan_tokens(open_run(runs), plan)
+    b, _ = scan_tokens(open_run(shuffled), plan)
+    assert a[""]["step"].to_list() == [1, 2]
+    for level in plan.levels:
+        assert_frames_close(a[level], b[level])
+
+
+def test_many_small_files_in_one_chunk_give_the_one_file_partials(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live run written in small flushes: 120 files (one with NaN flags, most without) in one
+    chunk of work, their partials collected in slices (COLLECT_SLICE forced small): each file's
+    partials are its own, and merged they equal the one-file scan."""
+    monkeypatch.setattr(tokenscan, "COLLECT_SLICE", 5)
+    tokens = make_tokens(10, range(1, 21), rollouts_per_step=6)
+    tokens["entropy"] = np.nan_to_num(tokens["entropy"], nan=0.5)
+    tokens["entropy"][7] = np.nan  # in the first file only
+    rollouts = rollouts_of(tokens)
+    pieces = split(tokens, at_rollout_boundaries(tokens, 120))
+    one = write_run({"rollouts": rollouts, "tokens": tokens})
+    many = write_run({"rollouts": rollouts, "tokens": pieces})
+    plan = plan_for(one)
+    files = token_files(open_run(many), plan)
+    assert len(tokenscan.chunks(files)) == 1
+    per_file = tokenscan.chunk_partials(files, plan)
+    for file, partials in zip(files, per_file, strict=True):
+        alone = file_partials(file, plan)
+        for level in plan.levels:
+            assert_frames_close(partials[level], alone[level])
+    merged = merge(per_file, plan)
+    whole, _ = scan_tokens(open_run(one), plan)
+    for level in plan.levels:
+        assert_frames_close(merged[level], whole[level])
+    assert merged[""]["__invalid__entropy"].sum() == 1
