@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlscope.errors import RlscopeError
-from rlscope.schema import RUN_FIELDS, RUN_JSON, SCHEMA_VERSION, TABLES, Column, type_name
+from rlscope.schema import RUN_FIELDS, RUN_JSON, SCHEMA_VERSION, TABLES, Column, Table, type_name
 
 _INT_TYPES = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
 _FLOAT_TYPES = (pl.Float32, pl.Float64)
@@ -357,7 +357,8 @@ def _find_files(root: Path, name: str, warnings: list[str]) -> list[Path] | None
             if fname.startswith((".", "_")) or not fname.endswith(".parquet"):
                 continue
             path = here / fname
-            if _inside(root, path, warnings):
+            # Only the file itself can leave the run here: symlinked folders are not walked.
+            if not path.is_symlink() or _inside(root, path, warnings):
                 found.append(path)
     return sorted(found) or None
 
@@ -388,22 +389,36 @@ def _hive_values(folder: Path, path: Path) -> dict[str, str]:
     return dict(part.split("=", 1) for part in parts if "=" in part)
 
 
-def _arrow_schema(path: Path) -> pa.Schema:
+def _footer(path: Path, size: int) -> pq.FileMetaData:
+    """The file's Parquet footer (its schema and row count), read once."""
     try:
-        if path.stat().st_size == 0:
+        if size == 0:
             raise RlscopeError(f"{path}: empty file (0 bytes)", hint="delete it or re-write it")
-        return pq.read_schema(path)
+        return pq.read_metadata(path)
     except RlscopeError:
         raise
     except FileNotFoundError:
         raise RlscopeError(
             f"{path}: removed while the run was being opened", hint="re-run"
         ) from None
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:
         raise RlscopeError(
             f"{path}: not a readable Parquet file ({exc})",
             hint="a file truncated mid-write has no footer; delete it or re-write it",
         ) from None
+
+
+def _polars_schema(path: Path, arrow: pa.Schema, spec: Table) -> dict[str, pl.DataType]:
+    """The file's columns as Polars types, each of the table's columns checked."""
+    try:
+        schema = dict(pl.from_arrow(arrow.empty_table()).schema)  # type: ignore[union-attr]
+    except Exception as exc:  # an Arrow type Polars cannot hold
+        raise RlscopeError(f"{path}: unsupported column type ({exc})") from None
+    for col_name, dtype in schema.items():
+        column = spec.column(col_name)
+        if column is not None:
+            _check_type(path, column, dtype)
+    return schema
 
 
 def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str]) -> TableFiles:
@@ -412,6 +427,9 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
     file_schemas: list[dict[str, pl.DataType]] = []
     file_hive: list[dict[str, str]] = []
     file_stats: list[tuple[int, int, int]] = []
+    # A run's files mostly share one schema: converted and type-checked once (the first file
+    # with a bad type is the one named).
+    checked: dict[pa.Schema, dict[str, pl.DataType]] = {}
     n_rows = 0
     for path in files:
         try:
@@ -420,11 +438,12 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
             raise RlscopeError(
                 f"{path}: removed while the run was being opened", hint="re-run"
             ) from None
-        arrow = _arrow_schema(path)
-        try:
-            schema = dict(pl.from_arrow(arrow.empty_table()).schema)  # type: ignore[union-attr]
-        except Exception as exc:  # an Arrow type Polars cannot hold
-            raise RlscopeError(f"{path}: unsupported column type ({exc})") from None
+        footer = _footer(path, file_stats[-1][0])
+        n_rows += footer.num_rows
+        arrow = footer.schema.to_arrow_schema()
+        schema = checked.get(arrow)
+        if schema is None:
+            schema = checked[arrow] = _polars_schema(path, arrow, spec)
         hive = {
             k: v
             for k, v in _hive_values(folder, path).items()
@@ -437,18 +456,10 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
                 f"from the {name} table",
                 hint=f"the {name} table needs {', '.join(spec.required_columns)}",
             )
-        for col_name, dtype in schema.items():
-            column = spec.column(col_name)
-            if column is not None:
-                _check_type(path, column, dtype)
         for col_name, value in hive.items():
             _check_hive_value(path, spec.column(col_name), value)  # type: ignore[arg-type]
         file_schemas.append(schema)
         file_hive.append(hive)
-        try:
-            n_rows += pq.read_metadata(path).num_rows
-        except (pa.ArrowException, OSError) as exc:
-            raise RlscopeError(f"{path}: not a readable Parquet file ({exc})") from None
     unified: dict[str, pl.DataType] = {}
     for column in spec.columns:
         seen = [s[column.name] for s in file_schemas if column.name in s]

@@ -553,22 +553,23 @@ def _summed(
     for level in plan.levels:
         keys = LEVEL_KEYS[level]
         values = _value_columns(level, plan)
-        tagged = [
-            frame.lazy().select(
-                pl.lit(index, pl.Int32).alias(FILE),
-                *(pl.col(k).cast(_KEY_TYPES[k]) for k in keys),
-                *(_widen(v, frame.schema[v]) for v in values),
-            )
-            for index, one in enumerate(parts)
-            for frame in one[level]
-            if frame.height
-        ]
-        if not tagged:
+        frames = [(index, f) for index, one in enumerate(parts) for f in one[level] if f.height]
+        if not frames:
             schema = {FILE: pl.Int32} | {k: _KEY_TYPES[k] for k in keys}
             queries.append(pl.LazyFrame(schema=schema | {v: pl.Float64 for v in values}))
             continue
+        # Concatenated eagerly (cheap for small frames), then tagged and widened in one select:
+        # a lazy select per frame would cost more to plan than to run. Keys are unified first
+        # (a categorical segment in one file, an enum in another have no common type).
+        rows = pl.concat([_key_typed(f, keys) for _, f in frames], how="diagonal_relaxed")
+        index = np.repeat([i for i, _ in frames], [f.height for _, f in frames])
         queries.append(
-            pl.concat(tagged, how="vertical_relaxed")
+            rows.lazy()
+            .select(
+                pl.Series(FILE, index, pl.Int32),
+                *keys,
+                *(_widen(v, rows.schema[v]) for v in values),
+            )
             .group_by(FILE, *keys)
             .agg(pl.col(v).sum() for v in values)
             .sort(FILE, *keys, nulls_last=True)
@@ -580,6 +581,11 @@ def _summed(
         for index, one in enumerate(summed):
             one[level] = pieces.get((index,), empty)
     return summed
+
+
+def _key_typed(frame: pl.DataFrame, keys: tuple[str, ...]) -> pl.DataFrame:
+    odd = [k for k in keys if frame.schema[k] != _KEY_TYPES[k]]
+    return frame.with_columns(pl.col(k).cast(_KEY_TYPES[k]) for k in odd) if odd else frame
 
 
 def _widen(name: str, dtype: pl.DataType) -> pl.Expr:

@@ -455,3 +455,22 @@ def test_many_small_files_in_one_chunk_give_the_one_file_partials(
     for level in plan.levels:
         assert_frames_close(merged[level], whole[level])
     assert merged[""]["__invalid__entropy"].sum() == 1
+
+
+def test_partials_keyed_by_string_categorical_or_enum_segments_merge(write_run: WriteRun) -> None:
+    """Files' segments partials keyed by a an enum, a categorical or a string segment (a mapper
+    may return any of them): they merge, equal to the all-string partials' merge."""
+    tokens = make_tokens(11, range(1, 7))
+    run = write_run(
+        {"rollouts": rollouts_of(tokens), "tokens": split(tokens, at_rollout_boundaries(tokens, 3))}
+    )
+    plan = plan_for(run)
+    parts = [file_partials(f, plan) for f in token_files(open_run(run), plan)]
+    types = [pl.Enum(sorted(SEGMENTS)), pl.Categorical, pl.String]
+    typed = [
+        {**one, "segments": one["segments"].with_columns(pl.col("segment").cast(t))}
+        for one, t in zip(parts, types, strict=True)
+    ]
+    a, b = merge(parts, plan), merge(typed, plan)
+    for level in plan.levels:
+        assert_frames_close(a[level], b[level])
