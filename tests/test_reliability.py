@@ -415,9 +415,10 @@ def test_file_removed_or_rewritten_after_open(tmp_path: Path) -> None:
 
 
 LIVE_FLUSH = 40
-# Batches of 8 rollouts the writer logs (a file per 5 batches and table) once the first analysis
-# is done. Bounded: each analysis reads every file, so an unbounded writer (a file every few ms)
-# makes each analysis slower than the last, without end on a slow machine.
+# The writer logs at most this many batches of 8 rollouts (a file per 5 batches and table), but
+# goes on until the first analysis is over. Bounded: each analysis reads every file, so a writer
+# adding a file every few ms makes each analysis slower than the last, without end on a slow
+# machine.
 LIVE_BATCHES = 1000
 
 
