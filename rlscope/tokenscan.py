@@ -490,10 +490,7 @@ def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl
             for level, result in _reduce_rows(frame, plan).items():
                 parts[index][level].append(result)
         else:
-            rows = pl.concat(
-                [f.with_columns(pl.lit(i).alias(FILE)) for i, f in pending],
-                how="diagonal_relaxed",  # flag columns only where a file has NaN/inf
-            )
+            rows = _tagged(pending)  # flag columns only where a file has NaN/inf
             levels = _collect([_grouped_levels(rows, plan, [FILE, "step"])])
             for level, result in levels.items():
                 for (index,), piece in result.partition_by(FILE, as_dict=True).items():
@@ -558,15 +555,14 @@ def _summed(
             schema = {FILE: pl.Int32} | {k: _KEY_TYPES[k] for k in keys}
             queries.append(pl.LazyFrame(schema=schema | {v: pl.Float64 for v in values}))
             continue
-        # Concatenated eagerly (cheap for small frames), then tagged and widened in one select:
-        # a lazy select per frame would cost more to plan than to run. Keys are unified first
-        # (a categorical segment in one file, an enum in another have no common type).
-        rows = pl.concat([_key_typed(f, keys) for _, f in frames], how="diagonal_relaxed")
-        index = np.repeat([i for i, _ in frames], [f.height for _, f in frames])
+        # Concatenated eagerly (cheap for small frames), then widened in one select: a lazy
+        # select per frame would cost more to plan than to run. Keys are unified first (a
+        # categorical segment in one file, an enum in another have no common type).
+        rows = _tagged([(index, _key_typed(f, keys)) for index, f in frames])
         queries.append(
             rows.lazy()
             .select(
-                pl.Series(FILE, index, pl.Int32),
+                FILE,
                 *keys,
                 *(_widen(v, rows.schema[v]) for v in values),
             )
@@ -581,6 +577,14 @@ def _summed(
         for index, one in enumerate(summed):
             one[level] = pieces.get((index,), empty)
     return summed
+
+
+def _tagged(frames: list[tuple[int, pl.DataFrame]]) -> pl.DataFrame:
+    """(index, frame) pairs as one frame (a column missing from a frame is null there), each
+    row tagged in FILE with its frame's index."""
+    rows = pl.concat([f for _, f in frames], how="diagonal_relaxed")
+    index = np.repeat([i for i, _ in frames], [f.height for _, f in frames])
+    return rows.with_columns(pl.Series(FILE, index, pl.Int32))
 
 
 def _key_typed(frame: pl.DataFrame, keys: tuple[str, ...]) -> pl.DataFrame:
