@@ -11,6 +11,7 @@ import polars as pl
 from rlscope.cache import import_cache_dir
 from rlscope.config import Config, load_config
 from rlscope.engine import Computed, compute
+from rlscope.errors import RlscopeError
 from rlscope.reader import Run, open_run, scan_error
 from rlscope.report import Report, RunInfo
 from rlscope.rules import evaluate
@@ -58,7 +59,7 @@ def analyze(
         run, metrics, text=config.text, cache=cache, progress=progress, mapper=mapper
     )
     try:
-        findings, rule_skips = evaluate(computed, run, config)
+        findings, rule_skips, judged = evaluate(computed, run, config)
     except (pl.exceptions.PolarsError, OSError) as exc:  # a rule's own scan
         raise scan_error(run, run.tables, "running the rules", exc) from None
     run.check_unchanged()  # rules may scan again: still the snapshot taken at open
@@ -68,6 +69,14 @@ def analyze(
     step_values: set[int] = set()
     for result in computed.results.values():
         step_values.update(result.steps)
+    if not step_values and steps != (None, None):
+        lo, hi = steps
+        raise RlscopeError(
+            f"{run.path}: no step in the selected range "
+            f"{'' if lo is None else lo}:{'' if hi is None else hi}",
+            hint="choose a --steps range that overlaps the run's steps (`rlscope analyze RUN` "
+            "without --steps shows them)",
+        )
     notes = import_notes + sorted({note for r in computed.results.values() for note in r.notes})
     info = RunInfo(
         path=str(run.path),
@@ -94,6 +103,7 @@ def analyze(
         skipped=computed.skipped + tuple(rule_skips),
         warnings=run.warnings + computed.warnings,
         notes=tuple(notes),
+        judged=judged,
     )
 
 

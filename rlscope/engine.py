@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -12,7 +12,15 @@ import pyarrow as pa
 
 from rlscope.errors import RlscopeError
 from rlscope.reader import INVALID_PREFIX, Run, invalid_warnings, scan_error, valid_rollout
-from rlscope.registry import METRICS, Metric, Variant, load_all, split_column
+from rlscope.registry import (
+    METRICS,
+    Metric,
+    Variant,
+    family_members,
+    is_template,
+    load_all,
+    split_column,
+)
 from rlscope.report import Logged, MetricResult, Skipped
 from rlscope.text import TextSettings
 from rlscope.tokenscan import ROWS, Mapper, PartialCache, ScanStats, TokenPlan, scan_tokens
@@ -52,10 +60,10 @@ class Computed:
     tokens: ScanStats = field(default_factory=ScanStats)  # what the token scan read
 
 
-def choose_variant(metric: Metric, run: Run) -> Variant | str:
-    """The first variant the run can feed, or the reason none can."""
+def choose_variant(metric: Metric, run: Run, first: int = 0) -> Variant | str:
+    """The first variant (from index `first` on) the run can feed, or the reason none can."""
     reasons = []
-    for variant in metric.variants:
+    for variant in metric.variants[first:]:
         columns = [split_column(variant.table, c) for c in variant.requires]
         missing = [(t, c) for t, c in columns if not run.has(t, c)]
         missing_meta = [m for m in variant.needs_meta if run.meta.get(m) is None]
@@ -66,15 +74,28 @@ def choose_variant(metric: Metric, run: Run) -> Variant | str:
         else:
             parts = [f"{t}.{c}" for t, c in missing]
             parts += [f"run.json {m}" for m in missing_meta]
-            reasons.append("needs " + ", ".join(parts))
+            why = run.meta.get("correct_unknown") if ("rollouts", "correct") in missing else None
+            reasons.append("needs " + ", ".join(parts) + (f" ({why})" if why else ""))
     return "; or ".join(dict.fromkeys(reasons))
 
 
-def plan(metrics: Iterable[Metric], run: Run) -> tuple[dict[str, Variant], list[Skipped]]:
+def run_metrics(run: Run) -> dict[str, Metric]:
+    """Every metric this run could have: the registered ones (family templates aside) and the
+    members of each family for this run (e.g. `signal.reward.<name>` per reward function)."""
+    load_all()
+    found = {m.id: m for m in METRICS.values() if not is_template(m)}
+    found.update((m.id, m) for m in family_members(run))
+    return found
+
+
+def plan(
+    metrics: Iterable[Metric], run: Run, first: Mapping[str, int] | None = None
+) -> tuple[dict[str, Variant], list[Skipped]]:
+    """Each metric's variant (the first the run can feed, from index `first[id]` on)."""
     chosen: dict[str, Variant] = {}
     skipped: list[Skipped] = []
     for metric in metrics:
-        variant = choose_variant(metric, run)
+        variant = choose_variant(metric, run, (first or {}).get(metric.id, 0))
         if isinstance(variant, str):
             skipped.append(Skipped(metric.id, variant))
         else:
@@ -136,7 +157,7 @@ def token_plan(run: Run, text: TextSettings | None = None) -> TokenPlan:
     reads of the tokens table), e.g. to map its files on other workers."""
     load_all()
     ctx = Context(run, text=text or TextSettings())
-    chosen, _ = plan(METRICS.values(), run)
+    chosen, _ = plan(run_metrics(run).values(), run)
     by_level: dict[str, list[Variant]] = {"": []}
     for variant in chosen.values():
         if variant.table == "tokens":
@@ -216,24 +237,40 @@ def compute(
     cache: PartialCache | None = None,
     progress: Callable[[int, int], None] | None = None,
     mapper: Mapper | None = None,
+    first_variant: Mapping[str, int] | None = None,
 ) -> Computed:
     """Compute the requested metrics (all registered ones by default) over a run. With `cache`,
     token files' partial aggregates are reused where the file is unchanged (and stored);
     `progress` gets (token files done, token files) as the token scan goes; `mapper` maps the
-    per-file token reduction over the files to read (see `tokenscan.Mapper`)."""
-    load_all()
+    per-file token reduction over the files to read (see `tokenscan.Mapper`).
+
+    A metric whose variant gives no value at any step falls back to its next variant the run
+    can feed (e.g. tool-response length from the text tags when the tokens table has no
+    tool_response tokens because they are loss-masked), computed in one more pass over only
+    those metrics; `first_variant` (id -> variant index) is how that pass is asked."""
     context = Context(run, text=text or TextSettings())
+    catalog = run_metrics(run)
     if metric_ids is None:
-        metrics = list(METRICS.values())
+        metrics = list(catalog.values())
     else:
-        unknown = [m for m in metric_ids if m not in METRICS]
+        metric_ids = list(metric_ids)
+        unknown = [m for m in metric_ids if m not in catalog and m not in METRICS]
         if unknown:
             raise RlscopeError(
                 f"unknown metric id(s): {', '.join(unknown)}", hint="`rlscope metrics` lists them"
             )
-        metrics = [METRICS[m] for m in metric_ids]
-    chosen, skipped = plan(metrics, run)
-    logged = _logged_columns(chosen, run)
+        # A family template (`signal.reward.*`) selects all of this run's members.
+        metrics = [
+            m
+            for i in metric_ids
+            for m in (
+                [catalog[i]]
+                if i in catalog
+                else [c for c in catalog.values() if c.id.startswith(i[:-1])]
+            )
+        ]
+    chosen, skipped = plan(metrics, run, first_variant)
+    logged = _logged_columns(chosen, run, catalog)
 
     by_level: dict[tuple[str, str], list[Variant]] = {}
     for variant in chosen.values():
@@ -318,14 +355,19 @@ def compute(
     frames = dict(zip(ids, _collect(series_queries, "computing metrics"), strict=True))
 
     results: dict[str, MetricResult] = {}
+    fallback: dict[str, int] = {}
     for metric_id in ids:
-        metric, variant = METRICS[metric_id], chosen[metric_id]
+        metric, variant = catalog[metric_id], chosen[metric_id]
         frame = frames[metric_id].sort("step")
         frames[metric_id] = frame
         values = _floats(frame["value"])
         steps = [int(s) for s in frame["step"].to_list()]
         if not any(v is not None for v in values):
-            skipped.append(Skipped(metric_id, _empty_reason(frame, variant)))
+            source = aggregates[variant.table, variant.level]
+            skipped.append(Skipped(metric_id, _empty_reason(frame, variant, source)))
+            after = metric.variants.index(variant) + 1
+            if not isinstance(choose_variant(metric, run, after), str):
+                fallback[metric_id] = after
             continue
         notes = tuple(
             note
@@ -343,15 +385,42 @@ def compute(
             notes=notes,
             extra=_extra(metric, frame, context),
             logged=_logged_result(logged.get(metric_id), aggregates.get(("steps", ""))),
+            band=metric.band,
+            better=metric.better,
         )
-    return Computed(
+    computed = Computed(
         results, frames, tuple(skipped), aggregates, context, tuple(warnings), scan_stats
+    )
+    if fallback:
+        again = compute(run, list(fallback), text=text, cache=cache, first_variant=fallback)
+        computed = _merged(computed, again, list(catalog))
+    return computed
+
+
+def _merged(main: Computed, again: Computed, order: list[str]) -> Computed:
+    """`main` with the metrics `again` recomputed from a later variant (in catalog order)."""
+    results = {**main.results, **again.results}
+    redone = set(again.results) | {s.metric for s in again.skipped}
+    return replace(
+        main,
+        results={m: results[m] for m in order if m in results},
+        frames={**main.frames, **again.frames},
+        skipped=tuple(s for s in main.skipped if s.metric not in redone) + again.skipped,
+        aggregates={**again.aggregates, **main.aggregates},
+        warnings=tuple(dict.fromkeys(main.warnings + again.warnings)),
     )
 
 
-def _empty_reason(frame: pl.DataFrame, variant: Variant) -> str:
+def _empty_reason(frame: pl.DataFrame, variant: Variant, source: pl.DataFrame) -> str:
     if variant.empty_reason:
         return variant.empty_reason
+    if variant.table == "rollouts" and variant.level == "" and "n" in source.columns:
+        sizes = source.filter(pl.col("split") == "train")["n"]
+        if sizes.len() and sizes.max() == 1:
+            return (
+                "every train group has one rollout (e.g. PPO with a critic): this metric needs "
+                "several rollouts of one prompt"
+            )
     if frame.height == 0:
         return f"no {variant.table} rows (for train rollouts, in the step range)"
     return "undefined at every step (e.g. no variation to measure, or no valid values)"
@@ -374,7 +443,9 @@ def _floats(series: pl.Series) -> list[float | None]:
     ]
 
 
-def _logged_columns(chosen: dict[str, Variant], run: Run) -> dict[str, str]:
+def _logged_columns(
+    chosen: dict[str, Variant], run: Run, catalog: dict[str, Metric]
+) -> dict[str, str]:
     """Metric id -> the steps-table column holding the trainer's own value of a metric that
     rlscope recomputes from rollouts or tokens."""
     if "steps" not in run.tables:
@@ -384,7 +455,7 @@ def _logged_columns(chosen: dict[str, Variant], run: Run) -> dict[str, str]:
     for metric_id, variant in chosen.items():
         if variant.table == "steps":
             continue
-        found = next((c for c in METRICS[metric_id].logged_as if c in columns), None)
+        found = next((c for c in catalog[metric_id].logged_as if c in columns), None)
         if found is not None:
             logged[metric_id] = found
     return logged

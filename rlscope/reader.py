@@ -27,13 +27,32 @@ from rlscope.schema import RUN_FIELDS, RUN_JSON, SCHEMA_VERSION, TABLES, Column,
 _INT_TYPES = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
 _FLOAT_TYPES = (pl.Float32, pl.Float64)
 _STRING_TYPES = (pl.String, pl.Categorical, pl.Enum)
-_JSON_CHECKS = {"integer": int, "number": (int, float), "string": str}
+_JSON_CHECKS = {
+    "integer": int,
+    "number": (int, float),
+    "string": str,
+    "array": list,
+    "object": dict,
+}
 
 #: `Run.scan(table, invalid_flags=True)` adds, per float column `c`, a boolean
 #: `__invalid__c`: the file held a non-null value that is not finite (NaN/±inf, read as null).
 INVALID_PREFIX = "__invalid__"
 #: A response longer than this (or negative) is a logging bug, not a length.
 MAX_RESPONSE_LEN = 10_000_000
+
+
+def run_provenance(meta: dict[str, Any]) -> dict[str, str]:
+    """run.json `provenance` ({topic: one sentence}, how the importer derived fields), with the
+    correctness rule (`correct_unknown`, else `correct_source`) under `correct` when it has
+    none; `correct` first."""
+    raw = meta.get("provenance")
+    out = {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+    if "correct" not in out and meta.get("correct_unknown"):
+        out["correct"] = f"unknown: {meta['correct_unknown']}"
+    elif "correct" not in out and meta.get("correct_source"):
+        out["correct"] = f"correct = {meta['correct_source']}"
+    return {k: out[k] for k in sorted(out, key=lambda k: k != "correct")}
 
 
 def valid_rollout() -> pl.Expr:
@@ -73,6 +92,11 @@ class Run:
     warnings: tuple[str, ...] = ()
     step_range: tuple[int | None, int | None] = (None, None)
 
+    @property
+    def provenance(self) -> dict[str, str]:
+        """run.json `provenance`: how the importer derived fields, {topic: one sentence}."""
+        return run_provenance(self.meta)
+
     def has(self, table: str, *columns: str) -> bool:
         """Whether `table` exists and has every column (derived columns count)."""
         if table not in self.tables:
@@ -104,7 +128,9 @@ class Run:
         }
         threshold = self.meta.get("correct_threshold")
         reward = pl.col("reward")
-        if threshold is not None:
+        if self.meta.get("correct_source") or self.meta.get("correct_unknown"):
+            pass  # the writer said how correct was derived, or that it is unknown: no guess
+        elif threshold is not None:
             out["correct"] = (
                 f"correct = reward >= {threshold} (run.json correct_threshold)",
                 reward >= threshold,

@@ -92,10 +92,21 @@ class Metric:
     summary: SummaryFn | None = None
     # Report whether the series' decline is smooth or a cliff (`decline` in the JSON).
     trajectory: bool = False
+    # The healthy range of the final-window value, (low, high), None = open: where it is
+    # declared, a value outside it is shown as such (a metric with a band has no `better`).
+    band: tuple[float | None, float | None] | None = None
 
     def explain(self) -> str:
         lines = [f"{self.id}  ({self.layer}, metric)", "", self.title, "", self.doc, ""]
         lines.append(f"Healthy: {self.healthy}")
+        if self.band is not None:
+            low, high = self.band
+            lines.append(
+                "Healthy band: "
+                + (f"{low:g}" if low is not None else "-inf")
+                + " to "
+                + (f"{high:g}" if high is not None else "+inf")
+            )
         if self.unit == "share":
             lines.append("Range: a share in [0, 1]")
         lines.append("Computed from:")
@@ -148,6 +159,11 @@ class Rule:
 
 METRICS: dict[str, Metric] = {}
 RULES: dict[str, Rule] = {}
+#: Metric families: a prefix (`signal.reward.`) -> a function of the run returning its members
+#: (one metric per run-specific name, e.g. per reward function), documented by the metric
+#: registered under the prefix + `*`.
+FamilyFn = Callable[[Any], list[Metric]]
+FAMILIES: dict[str, FamilyFn] = {}
 
 
 def register_metric(metric: Metric) -> Metric:
@@ -155,6 +171,24 @@ def register_metric(metric: Metric) -> Metric:
         raise ValueError(f"duplicate metric id {metric.id}")
     METRICS[metric.id] = metric
     return metric
+
+
+def register_family(template: Metric, members: FamilyFn) -> Metric:
+    """Register a family of per-run metrics: `template.id` ends in `*` and documents them."""
+    if not template.id.endswith(".*"):
+        raise ValueError(f"family id {template.id} must end in .*")
+    FAMILIES[template.id[:-1]] = members
+    return register_metric(template)
+
+
+def family_members(run: Any) -> list[Metric]:
+    """The family metrics this run has (e.g. one per reward function it logs)."""
+    load_all()
+    return [m for members in FAMILIES.values() for m in members(run)]
+
+
+def is_template(metric: Metric) -> bool:
+    return metric.id.endswith(".*")
 
 
 def rule(
@@ -198,5 +232,10 @@ def share_metrics() -> list[str]:
 
 
 def lookup(id: str) -> Metric | Rule | None:
+    """A metric, finding or family (a member id like `signal.reward.acc` gives its template)."""
     load_all()
-    return METRICS.get(id) or RULES.get(id)
+    found = METRICS.get(id) or RULES.get(id)
+    if found is None:
+        prefix = next((p for p in FAMILIES if id.startswith(p) and len(id) > len(p)), None)
+        found = METRICS.get(prefix + "*") if prefix else None
+    return found

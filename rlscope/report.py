@@ -46,6 +46,16 @@ class MetricResult:
     notes: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
     logged: Logged | None = None
+    # The metric's declared healthy band (low, high; None = open) and better direction.
+    band: tuple[float | None, float | None] | None = None
+    better: str = ""
+
+    def outside_band(self) -> bool:
+        """The final-window value lies outside the declared healthy band."""
+        if self.band is None or self.value is None:
+            return False
+        low, high = self.band
+        return (low is not None and self.value < low) or (high is not None and self.value > high)
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,23 @@ class Report:
     skipped: tuple[Skipped, ...]
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # Metrics a rule read and judged: only these are `ok` when no finding names them.
+    judged: tuple[str, ...] = ()
+
+    def status(self, metric: MetricResult) -> tuple[str, str] | None:
+        """What the report says of a metric, as (label, kind): the worst finding naming it
+        (kind = its severity), `ok` when a rule judged it and found nothing, `outside healthy
+        range` when no rule judged it but its value is outside its declared band; else None
+        (nothing checked it, so nothing is claimed)."""
+        named = [f for f in self.findings if metric.id in f.evidence.get("metrics", ())]
+        if named:
+            worst = max(named, key=lambda f: severity_rank(f.severity))
+            return worst.id, worst.severity
+        if metric.outside_band():
+            return "outside healthy range", "outside"
+        if metric.id in self.judged:
+            return "ok", "ok"
+        return None
 
     def worst_severity(self) -> str | None:
         if not self.findings:
@@ -141,6 +168,8 @@ class Report:
                     "source": m.source,
                     "notes": list(m.notes),
                     "series": {"step": list(m.steps), "value": json_safe(list(m.values))},
+                    "status": (self.status(m) or (None,))[0],
+                    **({"band": list(m.band)} if m.band is not None else {}),
                     **json_safe(m.extra),
                     **(
                         {

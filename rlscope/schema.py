@@ -141,6 +141,38 @@ RUN_FIELDS: tuple[MetaField, ...] = (
     MetaField("clip_ratio_high", "number", False, "PPO epsilon_high (default clip_ratio_low)"),
     MetaField("max_response_len", "integer", False, "generation length cap in tokens"),
     MetaField("correct_threshold", "number", False, "reward >= this counts as correct"),
+    MetaField(
+        "correct_source",
+        "string",
+        False,
+        "how rollouts.correct was derived, set by the writer (e.g. `accuracy_reward > 0`); when "
+        "set, rlscope never fills a missing or null `correct` from reward",
+    ),
+    MetaField(
+        "correct_unknown",
+        "string",
+        False,
+        "why correctness is unknown (e.g. several reward functions, none accuracy-like); when "
+        "set, `correct` is not derived from reward and metrics needing it are skipped",
+    ),
+    MetaField(
+        "reward_components",
+        "array",
+        False,
+        "rollouts columns each holding one reward function's per-rollout value (unweighted)",
+    ),
+    MetaField(
+        "response_len_unit",
+        "string",
+        False,
+        "unit of rollouts.response_len: `tokens` or `words` (whitespace-separated)",
+    ),
+    MetaField(
+        "provenance",
+        "object",
+        False,
+        "how the importer derived fields: {topic: one sentence}, e.g. correct, reward",
+    ),
 )
 
 _JSON_TYPES = {

@@ -201,7 +201,7 @@ def test_metrics_and_explain() -> None:
     assert explained.returncode == 0 and "Healthy:" in explained.stdout
     finding = rlscope("explain", "entropy-collapse")
     assert finding.returncode == 0 and "What to try:" in finding.stdout
-    assert "early_share" in finding.stdout
+    assert "cliff_share" in finding.stdout
 
 
 def test_no_color_is_respected(healthy: Path) -> None:

@@ -493,3 +493,30 @@ def test_scale_out_example_maps_token_files_on_a_process_pool(tmp_path: Path) ->
         env={**os.environ, "RLSCOPE_CACHE_DIR": str(tmp_path / "cache")},
     ).stdout
     assert "token rows, 1 file(s) reduced" in out
+
+
+@pytest.mark.parametrize(
+    ("names", "correct"),
+    [(("acc", "fmt"), "acc"), (("only",), "only"), (("foo", "bar"), None)],
+)
+def test_callback_chooses_correctness_like_the_importer(
+    tmp_path: Path, names: tuple[str, ...], correct: str | None
+) -> None:
+    trainer = make_trainer(names=names)
+    callback = RlscopeCallback(tmp_path / "run", trainer=trainer)
+    fire = events(callback)
+    fire("on_train_begin")
+    fill(trainer, ["p1"] * 4 + ["p2"] * 4, {n: [1, 0, 0, 1, 0, 0, 0, 0] for n in names})
+    fire("on_log", 1, logs={"loss": 0.1})
+    fire("on_train_end")
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert meta["reward_components"] == [f"rewards/{n}" for n in names]
+    report = rlscope.analyze(tmp_path / "run")
+    assert f"signal.reward.{names[0]}" in report.metrics
+    if correct is None:
+        assert "correct" not in table(tmp_path / "run", "rollouts").columns
+        assert "correct_reward=" in meta["correct_unknown"]
+        assert "signal.pass_at_1" not in report.metrics
+    else:
+        assert meta["correct_source"].startswith(f"`{correct}`")
+        assert report.metrics["signal.pass_at_1"].value is not None

@@ -53,8 +53,15 @@ def _all(report: Report) -> list[str]:
     return [f"{f.id} ({f.severity}): {f.message}" for f in report.findings]
 
 
-def test_every_finding_has_a_scenario() -> None:
-    assert set(EXPECTED.values()) == set(RULES)
+#: Rules tested on hand-made series (and the real fixtures) rather than a synth scenario.
+HAND_MADE = Path(__file__).parent / "test_rules_verdicts.py"
+
+
+def test_every_finding_has_a_scenario_or_a_hand_made_test() -> None:
+    assert set(EXPECTED.values()) <= set(RULES)
+    hand_made = HAND_MADE.read_text()
+    untested = [r for r in set(RULES) - set(EXPECTED.values()) if f'"{r}"' not in hand_made]
+    assert untested == []
 
 
 @pytest.mark.parametrize("size", list(HEALTHY_SIZES))
@@ -72,7 +79,14 @@ def test_finding_fires_on_its_scenario(tmp_path: Path, scenario: str, size: str)
     fired = {f.id: f for f in report.findings}
     assert expected in fired, f"{expected} did not fire; got {_alarms(report)}"
     finding = fired[expected]
-    assert finding.severity in ("warn", "critical") or finding.severity == RULES[expected].severity
+    # A too-easy curriculum is information (the policy solved its prompts), not an alarm.
+    too_easy = finding.evidence.get("side") == "too easy"
+    assert (
+        finding.severity in ("warn", "critical")
+        or finding.severity == RULES[expected].severity
+        or too_easy
+    )
+    assert not too_easy or finding.severity == "info"
     assert finding.message and finding.evidence.get("steps")
 
 

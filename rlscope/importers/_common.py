@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -27,6 +28,56 @@ def correct_from_reward(reward: pl.Expr, threshold: float | None) -> pl.Expr:
 
 def correct_rule(threshold: float | None, name: str = "reward") -> str:
     return f"{name} >= {threshold} (correct_threshold)" if threshold is not None else f"{name} > 0"
+
+
+#: Words in a reward function's name that say it scores correctness, best first (rank 0 beats
+#: rank 1 ...). `accuracy_reward` (TRL's trl/rewards/accuracy_rewards.py, open-r1), `acc`
+#: (verl's math reward extras), `correct`, `exact_match` / `em`, `verifier` / `verify`, `math`,
+#: `pass`, `solved`, `success`.
+ACCURACY_WORDS = (
+    frozenset({"accuracy", "acc", "correct", "correctness"}),
+    frozenset({"exact", "em", "exactmatch"}),
+    frozenset({"verifier", "verify", "verified", "verifiable"}),
+    frozenset({"math", "pass", "solved", "solve", "success"}),
+)
+#: Words that make a name a shaping term, never correctness (`math_format_reward`).
+NOT_ACCURACY_WORDS = frozenset(
+    {"format", "tag", "tags", "xml", "think", "len", "length", "repetition", "penalty",
+     "overlong", "cosine", "style", "count", "steps", "soft"}
+)  # fmt: skip
+
+
+def name_words(name: str) -> list[str]:
+    """`AccuracyReward`, `accuracy-reward`, `accuracy_reward` -> ['accuracy', 'reward']."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    return [w for w in re.split(r"[^a-z0-9]+", spaced.lower()) if w]
+
+
+def accuracy_like(names: Iterable[str]) -> tuple[str | None, str]:
+    """The one reward function whose name says it scores correctness, and why; (None, why
+    not) when none does or when several tie at the best rank (never a guess)."""
+    names = list(names)
+    ranked: dict[int, list[tuple[str, str]]] = {}
+    for name in names:
+        words = name_words(name)
+        if NOT_ACCURACY_WORDS & set(words):
+            continue
+        for rank, vocabulary in enumerate(ACCURACY_WORDS):
+            hit = next((w for w in words if w in vocabulary), None)
+            if hit is not None:
+                ranked.setdefault(rank, []).append((name, hit))
+                break
+    if not ranked:
+        return (
+            None,
+            "no reward function is named like accuracy/acc/correct/exact_match/verifier/math",
+        )
+    best = ranked[min(ranked)]
+    if len(best) > 1:
+        shown = ", ".join(f"`{n}`" for n, _ in best)
+        return None, f"several reward functions are named like accuracy ({shown})"
+    name, word = best[0]
+    return name, f"the only reward function named like accuracy (word `{word}`)"
 
 
 def rename_reserved(

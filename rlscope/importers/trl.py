@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
 from functools import reduce
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -22,6 +24,7 @@ from rlscope.importers._base import (
 )
 from rlscope.importers._common import (
     StepRows,
+    accuracy_like,
     correct_from_reward,
     correct_rule,
     index_within_step,
@@ -52,6 +55,10 @@ STEP_NAMES = {
 #: Files whose prompts are read to infer num_generations.
 INFER_FILES = 16
 _NOT_REWARDS = ("step", "advantage")
+#: Steps column TRL's frac_reward_zero_std is kept under when it is a batch-level quantity
+#: (scale_rewards="batch"), so logged-metric-mismatch never compares it with the group share.
+ZERO_STD_BATCH = "frac_reward_zero_std_batch"
+CORRECT_HINT = "say which reward function means correct: `-o correct_column=…`"
 
 
 def import_trl(session: Session) -> None:
@@ -69,13 +76,43 @@ def import_trl(session: Session) -> None:
                 run lengths of identical consecutive prompts in the first files (so group_size
                 in run.json); a file whose blocks do not hold one prompt each is grouped by
                 runs of identical prompts, with a warning.
-      reward    the sum of the reward-function columns (times `reward_weights`, missing
-                values ignored, as TRL's nansum): reward-function columns = the numeric
-                columns other than `step`, `advantage` and `extra_columns`, unless
-                `reward_columns` names them; the notes say which were taken. They are also
-                kept as extra columns under their own names.
-      correct   `correct_column` > 0 when given (e.g. accuracy_reward), else reward > 0
-                (reward >= correct_threshold with that option); the notes say which.
+      reward    the sum of the reward-function columns times `reward_weights` (missing
+                values ignored, as TRL's nansum). Reward functions = `reward_columns` when
+                given, else exactly the `rewards/<name>/mean` keys of trainer_state.json's
+                log_history (grpo_trainer.py `_generate_and_score_completions` logs one per
+                reward function, none for log_extra columns: TRL >= 1.0 writes those numeric
+                columns between the reward functions and `advantage`, and they are not
+                summed), else every numeric column but `step`, `advantage` and
+                `extra_columns` (warned). All are kept as extra columns under their own names;
+                run.json `reward_components` lists the reward functions.
+                Unscorable rows (every reward function returned None, NaN in the file): TRL
+                >= 1.6 sets their reward to NaN and leaves them out of the group mean and std
+                (nanmean/nanstd) and of the logged reward; rlscope writes reward null (a
+                counted warning), so the reader leaves them out of every rollout metric.
+                TRL 0.28-1.5 gave them nansum = 0 in the baseline.
+                Logged `reward` (per version): 0.28/0.29 log the unweighted sum
+                (`rewards_per_func.nansum`), 1.0+ the weighted one.
+      correct   decided once per import and written to run.json (`correct_source`, or
+                `correct_unknown` with the reason; `provenance.correct` says which and why):
+                `correct_column` > 0 (>= correct_threshold) when given; else the one reward
+                function named like accuracy (accuracy/acc/correct/exact_match/verifier/math,
+                no format/length word: TRL's trl/rewards/accuracy_rewards.py
+                `accuracy_reward`, 1.0 or 0.0, None when the gold answer does not parse:
+                correct null there, counted) > 0; else with a single reward function reward
+                > 0; else unknown: no `correct` column, and the reader derives none, so
+                metrics needing rollouts.correct are skipped (`-o correct_column=...`). A sum
+                with a format bonus is never the correctness.
+      eval rows TRL's `log()` writes `completions_<global_step>.parquet` in eval mode too,
+                from the `_logs` deques shared with training (maxlen generation_batch_size):
+                at a step where log_history has an `eval_*` entry the file holds the end of
+                the train batch and the eval rows (not whole blocks). Those files are left
+                out of the train rollouts, with a warning; the step's log_history row is kept.
+      scale_rewards  option, else detected from the advantages of the first file
+                (`_generate_and_score_completions`: "group" divides by the group std + 1e-4,
+                "none" only centres, "batch" and normalize_then_sum divide by a batch std).
+                With "batch", `is_std_zero` uses the batch std, so TRL's
+                frac_reward_zero_std is 0 or 1 per batch: it is kept in steps as
+                `frac_reward_zero_std_batch` and never compared with the group share.
       response  the completion (chat messages: the assistant contents joined with "\\n");
                 the prompt text (all messages joined) is kept as column `prompt`.
       answer    the last <answer>...</answer>, else the last \\boxed{...}, else null.
@@ -91,6 +128,10 @@ def import_trl(session: Session) -> None:
     optimizer steps, with num_iterations > 1 or steps_per_generation >
     gradient_accumulation_steps, is logged more than once); a note says so.
 
+    run.json also gets `response_len_unit` = "words" and `provenance` ({topic: sentence} for
+    correct, reward, response_len, frac_reward_zero_std), shown by `rlscope analyze` (text
+    header, `--format json` run.provenance) and the HTML report.
+
     Steps from `trainer_state.json` (SOURCE/trainer_state.json or the newest
     SOURCE/checkpoint-*/trainer_state.json, whichever has the higher global_step): each
     `log_history` entry with a `step` -> one row; loss, grad_norm, entropy, kl,
@@ -104,8 +145,10 @@ def import_trl(session: Session) -> None:
     frac_reward_zero_std agree exactly when each logged step has its own generation batch and
     logging_steps = 1. With logging_steps = L > 1, TRL averages its metrics over the L
     generation batches since the last log but the completions file holds only the last batch
-    (a deque of one generation batch), so they differ; reward_weights other than 1 must be
-    passed as `reward_weights`. On the shipped TRL 1.16 fixture (150 steps, 8 generations):
+    (a deque of one generation batch), so they differ. reward_weights other than 1 are solved
+    from log_history (`reward` = Σ w · `rewards/<name>/mean` at every step, exact to 1e-6:
+    used, with a note; GRPOConfig.reward_weights [0.125, 4.0] recovered exactly on the
+    format-weighted fixture), or passed as `reward_weights`. On the shipped TRL 1.16 fixture (150 steps, 8 generations):
     max abs difference 0 for both; grouping by prompt text instead of blocks would be off by
     up to 0.25 in frac_reward_zero_std (11 prompts drawn twice in a step). response_len
     (words) is ~82% of completions/mean_length there (max abs difference 5.7 tokens): EOS
@@ -131,17 +174,31 @@ def import_trl(session: Session) -> None:
         )
     if not files:
         session.warnings.append(f"{folder}: no completions files (log_completions=True?)")
+    history = _read_history(state_file) if state_file is not None else None
+    info = _history_info(history or [])
     state = session.state()
+    if not opts["reward_weights"] and "reward_weights" not in state:
+        inferred = infer_weights(history or [], info.reward_functions)
+        if inferred is not None:
+            state["reward_weights"] = inferred
+            session.notes.append(
+                "reward_weights inferred from log_history (reward = "
+                + " + ".join(f"{w:g} x {n}" for n, w in inferred.items())
+                + " at every logged step)"
+            )
     total = len(files) + (state_file is not None)
+    eval_files = [(n, p) for n, p in files if n in info.eval_steps]
     if files:
         generations = opts["num_generations"] or state.get("num_generations")
         if generations is None:
-            generations = _infer_generations([p for _, p in files[:INFER_FILES]])
+            sample = [p for n, p in files if n not in info.eval_steps][:INFER_FILES]
+            generations = _infer_generations(sample)
             session.notes.append(
                 f"num_generations = {generations} (inferred from runs of identical prompts)"
             )
         state["num_generations"] = generations
         session.meta["group_size"] = generations
+    counts: Counter[str] = Counter()
     done = 0
     for file_step, path in files:
         done += 1
@@ -150,20 +207,184 @@ def import_trl(session: Session) -> None:
             continue
         frame = _read(path, session)
         if frame is not None:
-            n_steps = _import_file(frame, file_step, path, status, session)
+            n_steps = _import_file(frame, file_step, path, status, session, info, counts)
             session.file_done(path, n_steps)
+            _set_meta(session)  # before the first flush opens run.json
         session.checkpoint()
         session.tick(done, total)
+    _count_warnings(counts, session)
+    if eval_files and state_file is not None:
+        session.notes.append(
+            f"{state_file.name}: evaluation logged at step(s) "
+            + ", ".join(str(n) for n, _ in eval_files[:5])
+            + (" ..." if len(eval_files) > 5 else "")
+        )
     if "reward_columns" in state:
-        weights = opts["reward_weights"]
+        weights = _reward_weights(session)
         terms = [
             f"`{c}`" + (f" x {weights[c]}" if c in weights else "") for c in state["reward_columns"]
         ]
         session.notes.append("reward = sum of " + ", ".join(terms))
+    if "correct" in state:
+        session.notes.append(_correct_note(state["correct"]))
+    _set_meta(session)
     if state_file is not None:
-        _import_steps(state_file, session)
+        _import_steps(state_file, history, session)
         done += 1
         session.tick(done, total)
+
+
+def _reward_weights(session: Session) -> dict[str, float]:
+    """`reward_weights` as given, else as inferred from log_history (else empty: all 1)."""
+    return session.options["reward_weights"] or session.state().get("reward_weights") or {}
+
+
+def infer_weights(history: list, functions: list[str]) -> dict[str, float] | None:
+    """GRPOConfig.reward_weights solved from log_history: TRL logs the weighted mean `reward`
+    and each function's unweighted `rewards/<name>/mean` per step (grpo_trainer.py
+    `_generate_and_score_completions`), so reward = Σ w_i mean_i exactly when no row was
+    unscorable. The least-squares weights are used only when they fit every step to 1e-6
+    (relative) and some weight differs from 1; None otherwise."""
+    if not functions:
+        return None
+    rows = [
+        [float(e[f"rewards/{f}/mean"]) for f in functions] + [float(e["reward"])]
+        for e in history
+        if isinstance(e, dict)
+        and isinstance(e.get("reward"), int | float)
+        and all(isinstance(e.get(f"rewards/{f}/mean"), int | float) for f in functions)
+    ]
+    if len(rows) < len(functions) + 2:
+        return None
+    table = np.array(rows, dtype=np.float64)
+    if not np.isfinite(table).all():
+        return None
+    x, y = table[:, :-1], table[:, -1]
+    if np.linalg.matrix_rank(x) < len(functions):
+        return None
+    w = np.linalg.lstsq(x, y, rcond=None)[0]
+    scale = max(float(np.abs(y).max()), 1e-12)
+    if float(np.abs(x @ w - y).max()) > 1e-6 * scale:
+        return None
+    weights = {f: float(np.round(v, 6)) for f, v in zip(functions, w, strict=True)}
+    return None if all(abs(v - 1.0) < 1e-6 for v in weights.values()) else weights
+
+
+class _Info:
+    """What trainer_state.json's log_history says about the completions files: the reward
+    functions (its train `rewards/<name>/mean` keys, in TRL's order) and the steps where an
+    evaluation was logged (an `eval_*` key)."""
+
+    def __init__(self, reward_functions: list[str], eval_steps: set[int]) -> None:
+        self.reward_functions = reward_functions
+        self.eval_steps = eval_steps
+
+
+def _read_history(path: Path) -> list:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RlscopeError(f"{path}: not readable JSON ({exc})") from None
+    history = doc.get("log_history") if isinstance(doc, dict) else None
+    if not isinstance(history, list):
+        raise RlscopeError(f"{path}: no `log_history` list")
+    return history
+
+
+def _history_info(history: list) -> _Info:
+    names: dict[str, None] = {}
+    eval_steps: set[int] = set()
+    for entry in history:
+        if not isinstance(entry, dict):
+            continue
+        for key in entry:
+            if key.startswith("rewards/") and key.endswith("/mean") and len(key) > 13:
+                names[key[len("rewards/") : -len("/mean")]] = None
+        step = entry.get("step")
+        is_step = isinstance(step, int) and not isinstance(step, bool)
+        if is_step and any(isinstance(k, str) and k.startswith("eval_") for k in entry):
+            eval_steps.add(step)
+    return _Info(list(names), eval_steps)
+
+
+def _count_warnings(counts: Counter[str], session: Session) -> None:
+    if counts["eval_rows"]:
+        session.warnings.append(
+            f"{counts['eval_rows']:,} row(s) of {counts['eval_files']} completions file(s) "
+            "written at an evaluation step left out (log_history has an eval_* entry there: "
+            "TRL's evaluation rewrites that step's file from the deque it shares with training, "
+            "so its rows mix the eval batch with the end of the train batch"
+            + (", not whole blocks" if counts["eval_partial"] else "")
+            + ")"
+        )
+    if counts["unscorable"]:
+        session.warnings.append(
+            f"{counts['unscorable']:,} unscorable rollout(s) (every reward function returned "
+            "None: NaN in TRL's file): reward left null, so they are left out of reward, "
+            "σ and correctness as TRL >= 1.6 leaves them out (TRL < 1.6 counted them as 0)"
+        )
+    if counts["correct_null"]:
+        column = session.state().get("correct", {}).get("column")
+        session.warnings.append(
+            f"{counts['correct_null']:,} scored rollout(s) where `{column}` returned None: "
+            "correct is null there (TRL leaves them out of rewards/"
+            f"{column}/mean)"
+        )
+    if counts["missing_functions"]:
+        session.warnings.append(
+            f"{counts['missing_functions']} completions file(s) lack reward-function column(s) "
+            "named in trainer_state.json (treated as None)"
+        )
+
+
+def _correct_note(choice: dict) -> str:
+    if choice.get("unknown"):
+        return f"correctness unknown: {choice['unknown']}"
+    return f"correct = {choice['rule']} ({choice['why']})"
+
+
+def _set_meta(session: Session) -> None:
+    """run.json fields: how reward and correctness were derived, the reward functions, the
+    unit of response_len, and `provenance` saying so in one sentence per topic."""
+    state = session.state()
+    meta, provenance = session.meta, {}
+    if "reward_columns" in state:
+        columns = state["reward_columns"]
+        weights = _reward_weights(session)
+        meta["reward_components"] = list(columns)
+        terms = ", ".join(f"{c} x{weights.get(c, 1.0):g}" for c in columns)
+        provenance["reward"] = f"sum of {terms} ({state.get('reward_source', 'columns')})"
+        extras = state.get("not_rewards") or []
+        if extras:
+            provenance["reward"] += f"; {', '.join(extras)} not summed (log_extra)"
+    choice = state.get("correct")
+    if choice:
+        if choice.get("unknown"):
+            meta["correct_unknown"] = choice["unknown"]
+            provenance["correct"] = f"unknown: {choice['unknown']}"
+        else:
+            meta["correct_source"] = choice["rule"]
+            provenance["correct"] = f"{choice['rule']}: {choice['why']}"
+    if "num_generations" in state:
+        meta["response_len_unit"] = "words"
+        provenance["response_len"] = (
+            "words of the completion (TRL logs no per-row token count); TRL's "
+            "completions/mean_length counts tokens, not compared"
+        )
+    scale = state.get("scale_rewards")
+    if scale:
+        how = state.get("scale_source", "")
+        if scale == "batch":
+            provenance["frac_reward_zero_std"] = (
+                f"scale_rewards='batch' ({how}): TRL's value is batch-level (1 only when the "
+                f"whole batch has one reward), kept as {ZERO_STD_BATCH}, not compared"
+            )
+        else:
+            provenance["frac_reward_zero_std"] = (
+                f"scale_rewards='{scale}' ({how}): the share of groups with zero reward σ, compared"
+            )
+    if provenance:
+        meta["provenance"] = provenance
 
 
 def find_trainer_state(source: Path) -> Path | None:
@@ -241,7 +462,13 @@ def _blocks(text: pl.Series, generations: int) -> tuple[pl.Series, bool]:
 
 
 def _import_file(
-    frame: pl.DataFrame, file_step: int | None, path: Path, status: str, session: Session
+    frame: pl.DataFrame,
+    file_step: int | None,
+    path: Path,
+    status: str,
+    session: Session,
+    info: _Info,
+    counts: Counter[str],
 ) -> int:
     opts, state = session.options, session.state()
     schema = frame.schema
@@ -256,6 +483,16 @@ def _import_file(
         raise RlscopeError(f"{path}: no integer `step` column and no step in the file name")
     frame = frame.with_row_index(LINE, offset=1).with_columns(pl.col(LINE).cast(pl.Int64))
     n_steps = frame["step"].n_unique()
+    at_eval = frame["step"].is_in(list(info.eval_steps))
+    if at_eval.any():
+        dropped = frame.filter(at_eval)
+        counts["eval_rows"] += dropped.height
+        counts["eval_files"] += 1
+        sizes = dropped.group_by("step").len()["len"]
+        counts["eval_partial"] += int((sizes % state["num_generations"] != 0).any())
+        frame = frame.filter(~at_eval)
+        if not frame.height:
+            return n_steps
     digest = hashlib.blake2b(
         frame["_prompt"].fill_null("").str.join("\x1e").item().encode()
         + b"\x1d"
@@ -272,29 +509,31 @@ def _import_file(
     frame = keep_new_steps(frame, path, session, status)
     if not frame.height:
         return n_steps
-    reward_columns = _reward_columns(frame, path, session)
-    weights = opts["reward_weights"]
-    terms = [
-        pl.col(c).cast(pl.Float64).fill_nan(None) * weights.get(c, 1.0)
-        if c in frame.columns
-        else pl.lit(None, pl.Float64)
-        for c in reward_columns
-    ]
-    absent = [c for c in reward_columns if c not in frame.columns]
-    if absent:
-        session.warnings.append(f"{path}: reward column(s) {', '.join(absent)} missing")
-    frame = frame.with_columns(pl.sum_horizontal(terms).alias("_reward"))
-    if opts["correct_column"]:
-        column = opts["correct_column"]
-        if column not in frame.columns:
-            raise RlscopeError(f"{path}: correct_column `{column}` is not a column")
-        correct = (pl.col(column).cast(pl.Float64) > 0).alias("correct")
-        session.notes.append(f"correct = `{column}` > 0")
+    reward_columns = _reward_columns(frame, path, session, info)
+    weights = _reward_weights(session)
+    present = [c for c in reward_columns if c in frame.columns]
+    if len(present) < len(reward_columns):
+        counts["missing_functions"] += 1
+    values = [pl.col(c).cast(pl.Float64).fill_nan(None) for c in present]
+    terms = [v * weights.get(c, 1.0) for c, v in zip(present, values, strict=True)]
+    # TRL >= 1.6 (grpo_trainer.py `_generate_and_score_completions`): a row where every
+    # reward function returned None is unscorable, NaN in the reward and left out of the
+    # group mean and std (nanmean/nanstd); the other rows take the nansum of the weighted terms.
+    unscorable = pl.all_horizontal([v.is_null() for v in values]) if values else pl.lit(True)
+    reward = pl.when(unscorable).then(None).otherwise(pl.sum_horizontal(terms))
+    frame = frame.with_columns(reward.alias("_reward"), unscorable.alias("_unscorable"))
+    counts["unscorable"] += int(frame["_unscorable"].sum())
+    choice = _choose_correct(reward_columns, frame, path, session)
+    if choice.get("column"):
+        value = pl.col(choice["column"]).cast(pl.Float64).fill_nan(None)
+        correct = correct_from_reward(value, opts["correct_threshold"])
+        counts["correct_null"] += int(
+            frame.select((value.is_null() & ~pl.col("_unscorable")).sum()).item()
+        )
+    elif choice.get("unknown"):
+        correct = None
     else:
         correct = correct_from_reward(pl.col("_reward"), opts["correct_threshold"])
-        session.notes.append(
-            f"correct = {correct_rule(opts['correct_threshold'])} (no correct_column)"
-        )
     parts = []
     for _, part in frame.group_by("step", maintain_order=True):
         block, ok = _blocks(part["_prompt"], state["num_generations"])
@@ -305,6 +544,8 @@ def _import_file(
             )
         parts.append(part.with_columns(block))
     frame = pl.concat(parts)
+    if "scale_rewards" not in state:
+        _detect_scaling(frame, session)
     frame = frame.with_columns(prompt_ids(frame["_prompt"]).alias("_hash"))
     # A further block of the same prompt in one step is another group, as in TRL.
     first_rows = frame.group_by("step", "_block").agg(pl.col("_hash").first(), pl.col(LINE).min())
@@ -319,7 +560,16 @@ def _import_file(
     )
     frame = index_within_step(frame)
     consumed = {"step", "prompt", "completion", "advantage", LINE}
-    internal = {"_prompt", "_completion", "_reward", "_block", "_hash", "_repeat", "_index"}
+    internal = {
+        "_prompt",
+        "_completion",
+        "_reward",
+        "_unscorable",
+        "_block",
+        "_hash",
+        "_repeat",
+        "_index",
+    }
     own = consumed | internal
     extras_frame = normalize_extras(frame.select(c for c in frame.columns if c not in own))
     frame = frame.select(c for c in frame.columns if c in own).hstack(extras_frame)
@@ -335,7 +585,7 @@ def _import_file(
         pl.col("_prompt").alias("prompt"),
         pl.lit("train").alias("split"),
         pl.col("_reward").alias("reward"),
-        correct.alias("correct"),
+        *([] if correct is None else [correct.alias("correct")]),
         word_count_expr(pl.col("_completion")).alias("response_len"),
         answer_expr(pl.col("_completion")).alias("answer"),
         pl.col("_completion").alias("response"),
@@ -348,10 +598,19 @@ def _import_file(
     return n_steps
 
 
-def _reward_columns(frame: pl.DataFrame, path: Path, session: Session) -> list[str]:
+def _reward_columns(frame: pl.DataFrame, path: Path, session: Session, info: _Info) -> list[str]:
+    """The reward functions: `reward_columns` when given, else trainer_state.json's
+    `rewards/<name>/mean` keys (TRL logs one per reward function, never for log_extra
+    columns), else every numeric column but step, advantage and extra_columns."""
     state, opts = session.state(), session.options
     if "reward_columns" in state:
         return state["reward_columns"]
+    skip = {*_NOT_REWARDS, *opts["extra_columns"], LINE}
+    numeric = [
+        c
+        for c, d in frame.schema.items()
+        if d.is_numeric() and c not in skip and not c.startswith("_")
+    ]
     if opts["reward_columns"]:
         columns = opts["reward_columns"]
         missing = [c for c in columns if c not in frame.columns]
@@ -360,35 +619,134 @@ def _reward_columns(frame: pl.DataFrame, path: Path, session: Session) -> list[s
                 f"{path}: reward_columns {', '.join(missing)} not in the file",
                 hint=f"columns: {', '.join(frame.columns)}",
             )
+        source = "reward_columns option"
+    elif info.reward_functions:
+        columns = info.reward_functions
+        absent = [c for c in columns if c not in frame.columns]
+        if len(absent) == len(columns):
+            raise RlscopeError(
+                f"{path}: none of the reward functions in trainer_state.json "
+                f"({', '.join(columns)}) is a column",
+                hint="name them with reward_columns=...",
+            )
+        source = "TRL's reward functions, trainer_state.json rewards/<name>/mean"
     else:
-        skip = {*_NOT_REWARDS, *opts["extra_columns"], LINE}
-        columns = [
-            c
-            for c, d in frame.schema.items()
-            if d.is_numeric() and c not in skip and not c.startswith("_")
-        ]
+        columns = numeric
         if not columns:
             raise RlscopeError(
                 f"{path}: no numeric reward-function column",
                 hint="name them with reward_columns=...",
             )
+        source = "every numeric column: no trainer_state.json rewards/<name>/mean"
+        session.warnings.append(
+            "no trainer_state.json naming the reward functions: every numeric column is summed "
+            "into reward; log_extra columns must be named with extra_columns=..."
+        )
     state["reward_columns"] = list(columns)
+    state["reward_source"] = source
+    state["not_rewards"] = [c for c in numeric if c not in columns]
     return state["reward_columns"]
 
 
-def _import_steps(path: Path, session: Session) -> None:
+def _choose_correct(
+    reward_columns: list[str], frame: pl.DataFrame, path: Path, session: Session
+) -> dict:
+    """How `correct` is derived, decided once per import (kept in the manifest state):
+    `correct_column`; else the one reward function named like accuracy; else, with a single
+    reward function, reward > 0; else unknown (never the sum with a format bonus)."""
+    state, opts = session.state(), session.options
+    if "correct" in state:
+        return state["correct"]
+    threshold = opts["correct_threshold"]
+    column = opts["correct_column"]
+    if column:
+        if column not in frame.columns:
+            raise RlscopeError(f"{path}: correct_column `{column}` is not a column")
+        choice = {
+            "column": column,
+            "rule": correct_rule(threshold, column),
+            "why": "correct_column option",
+        }
+    else:
+        name, why = accuracy_like(reward_columns)
+        others = [c for c in reward_columns if c != name]
+        if name is not None:
+            choice = {
+                "column": name,
+                "rule": correct_rule(threshold, name),
+                "why": f"{why}; "
+                + (f"{', '.join(others)} not counted" if others else "the only reward function"),
+            }
+        elif len(reward_columns) == 1:
+            choice = {
+                "column": None,
+                "rule": correct_rule(threshold),
+                "why": f"reward is the single reward function {reward_columns[0]}",
+            }
+        else:
+            choice = {
+                "column": None,
+                "unknown": f"{why} among {', '.join(reward_columns)}; {CORRECT_HINT}",
+            }
+    state["correct"] = choice
+    return choice
+
+
+def _detect_scaling(frame: pl.DataFrame, session: Session) -> None:
+    """TRL's `scale_rewards` from the advantages (grpo_trainer.py
+    `_generate_and_score_completions`): "group" divides each group's centred rewards by the
+    group's std σ + 1e-4, so the advantages of a group with any spread have std (ddof 1)
+    σ / (σ + 1e-4), ~1 whatever the reward weights; "none" leaves them the centred rewards
+    (std = the rewards' std); anything else
+    ("batch", or normalize_then_sum) divides by a batch std, which also makes
+    frac_reward_zero_std batch-level. Decided on the first file with a group whose advantages
+    differ; the option overrides."""
+    state, opts = session.state(), session.options
+    if opts["scale_rewards"]:
+        state["scale_rewards"], state["scale_source"] = opts["scale_rewards"], "option"
+        return
+    if "advantage" not in frame.columns:
+        state["scale_rewards"] = "group"
+        state["scale_source"] = "TRL's default, no advantage column"
+        return
+    groups = (
+        frame.group_by("step", "_block")
+        .agg(
+            pl.len().alias("n"),
+            pl.col("advantage").cast(pl.Float64).std().alias("sa"),
+            pl.col("_reward").std().alias("sr"),
+        )
+        .filter((pl.col("n") >= 2) & (pl.col("sa") > 1e-6))
+    )
+    if not groups.height:
+        return
+    predicted = pl.col("sr") / (pl.col("sr") + 1e-4)  # group std scaling, TRL's epsilon
+    near = ((pl.col("sa") - predicted).abs() < 2e-3) | ((pl.col("sa") - 1).abs() < 1e-3)
+    if groups.select(near.all()).item():
+        scale, how = "group", "detected: advantage std 1 in each group"
+    elif groups.select(
+        ((pl.col("sa") - pl.col("sr")).abs() <= 1e-4 * (1 + pl.col("sr"))).all()
+    ).item():
+        scale, how = "none", "detected: advantages = centred rewards"
+    else:
+        scale, how = "batch", "detected: advantages not scaled per group"
+    state["scale_rewards"] = scale
+    state["scale_source"] = how
+
+
+def _import_steps(path: Path, history: list | None, session: Session) -> None:
     status, record = session.file_status(path)
     if status == "unchanged" and record is not None:
         session.skip_unchanged(record, count_steps=False)
         return
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise RlscopeError(f"{path}: not readable JSON ({exc})") from None
-    history = doc.get("log_history") if isinstance(doc, dict) else None
-    if not isinstance(history, list):
-        raise RlscopeError(f"{path}: no `log_history` list")
-    rows = StepRows(STEP_NAMES)
+    history = _read_history(path) if history is None else history
+    state, opts = session.state(), session.options
+    names = dict(STEP_NAMES)
+    if "scale_rewards" not in state and opts["scale_rewards"]:
+        state["scale_rewards"], state["scale_source"] = opts["scale_rewards"], "option"
+    if state.get("scale_rewards") not in (None, "group", "none"):
+        names["frac_reward_zero_std"] = ZERO_STD_BATCH
+    rows = StepRows(names)
     steps: set[int] = set()
     without = 0
     for entry in history:
@@ -416,8 +774,9 @@ TRL = Importer(
             "reward_columns",
             "list[str]",
             None,
-            "reward-function columns summed into reward (default: every numeric column but "
-            "step, advantage and extra_columns)",
+            "reward-function columns summed into reward (default: trainer_state.json's "
+            "rewards/<name>/mean keys, else every numeric column but step, advantage and "
+            "extra_columns)",
         ),
         Option(
             "reward_weights",
@@ -426,7 +785,22 @@ TRL = Importer(
             "weights of reward-function columns (GRPOConfig.reward_weights; default 1)",
         ),
         Option("extra_columns", "list[str]", [], "numeric columns that are not rewards"),
-        Option("correct_column", "str", None, "correct = this column > 0 (e.g. accuracy_reward)"),
+        Option(
+            "correct_column",
+            "str",
+            None,
+            "correct = this column > 0 (>= correct_threshold when given); default: the reward "
+            "function named like accuracy, else reward > 0 with one reward function, else unknown",
+        ),
+        Option(
+            "scale_rewards",
+            "str",
+            None,
+            "GRPOConfig.scale_rewards (`group`, `batch`, `none`; default: detected from the "
+            "advantages). With `batch` TRL's frac_reward_zero_std is batch-level: kept as "
+            f"{ZERO_STD_BATCH}, not compared",
+            choices=lambda v: None if v in ("group", "batch", "none") else "group, batch or none",
+        ),
         Option(
             "num_generations",
             "int",

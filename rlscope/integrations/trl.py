@@ -77,6 +77,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from rlscope.importers._common import accuracy_like
 from rlscope.schema import RUN_FIELDS
 from rlscope.writer import RunWriter
 
@@ -268,9 +269,40 @@ class RlscopeCallback(_CallbackBase):
             meta.setdefault("clip_ratio_low", epsilon)
             high = _number(getattr(args, "epsilon_high", None))
             meta.setdefault("clip_ratio_high", high if high is not None else epsilon)
+        meta.update(self._correctness_meta(meta))
         self._next_rollout_id = self._first_rollout_id = _next_rollout_id(self.run_dir)
         self.writer = RunWriter(self.run_dir, **meta)
         return self.writer
+
+    def _correctness_meta(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """run.json fields saying which reward function means correct, chosen as the TRL
+        importer does (importers/_common.py `accuracy_like`): `correct_reward=` when given,
+        else the one reward function named like accuracy, else the only one; with several and
+        none recognisable, correctness is unknown (never a sum with a format bonus)."""
+        names = [str(n) for n in getattr(self.trainer, "reward_func_names", None) or ()]
+        out: dict[str, Any] = {}
+        if names:
+            out["reward_components"] = [f"rewards/{n}" for n in names]
+        threshold = meta.get("correct_threshold")
+        rule = "> 0" if threshold is None else f">= {threshold}"
+        if self.correct_reward is not None:
+            out["correct_source"] = f"`{self.correct_reward}` {rule} (correct_reward=)"
+        elif names:
+            chosen, why = accuracy_like(names)
+            if chosen is None and len(names) == 1:
+                chosen, why = names[0], "the only reward function"
+            if chosen is not None:
+                self.correct_reward = chosen
+                out["correct_source"] = f"`{chosen}` {rule}: {why}"
+            else:
+                out["correct_unknown"] = (
+                    f"{why}: say which reward function means correct: "
+                    "RlscopeCallback(correct_reward=…)"
+                )
+        why_text = out.get("correct_source") or out.get("correct_unknown")
+        if why_text:
+            out["provenance"] = {**dict(meta.get("provenance") or {}), "correct": why_text}
+        return {k: v for k, v in out.items() if k not in meta}
 
     def _group_size(self, args: Any) -> int | None:
         for value in (

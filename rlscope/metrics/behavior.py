@@ -52,6 +52,7 @@ register_metric(
         healthy="smooth decline; no loss of most of the initial entropy in the first steps",
         better="up",
         references="Cui et al. 2025 (arXiv 2505.22617); Wang et al. 2025 (arXiv 2506.01939)",
+        trajectory=True,
         variants=(
             ratio_variant(
                 "tokens",
@@ -230,6 +231,7 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.truncation_rate",
+        band=(0.0, 0.05),
         unit="share",
         logged_as=("response_length/clip_ratio", "completions/clipped_ratio"),
         layer="L2",
@@ -238,7 +240,6 @@ register_metric(
         "response_len >= run.json max_response_len). Truncated responses usually get no reward "
         "for a reason unrelated to the task, which biases the learning signal.",
         healthy="below a few percent",
-        better="down",
         references="verl response_length/clip_ratio; TRL completions/clipped_ratio",
         variants=(
             ratio_variant(
@@ -284,6 +285,7 @@ def _len_corr(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="behavior.len_correct_corr",
+        band=(-0.1, None),
         layer="L2",
         title="Within-prompt length-correctness correlation",
         doc="Pearson correlation of response length and correctness after centring both by "
@@ -292,7 +294,6 @@ register_metric(
         "longer reasoning helps; ~0 while length grows = spurious length growth; negative = "
         "overthinking. Null at a step where no group has both correct and incorrect rollouts.",
         healthy="> 0 (longer → more correct within a prompt)",
-        better="up",
         references="seed §3; Liu et al. 2025, Dr. GRPO (arXiv 2503.20783)",
         variants=(
             custom(
@@ -333,6 +334,7 @@ def _cap_frac(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="behavior.tool_cap_frac",
+        band=(0.0, 0.2),
         unit="share",
         layer="L2",
         title="Share of rollouts at the tool-call cap",
@@ -340,7 +342,6 @@ register_metric(
         "rising share means the policy calls tools mechanically until stopped: invisible in "
         "reward, costly in latency and compute.",
         healthy="a small minority (< 0.1)",
-        better="down",
         variants=(
             custom(
                 "rollouts",

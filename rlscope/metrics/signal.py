@@ -9,7 +9,8 @@ import polars as pl
 from rlscope.engine import Context
 from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, train
 from rlscope.metrics.behavior import N_CORRECT, N
-from rlscope.registry import Metric, register_metric
+from rlscope.reader import Run
+from rlscope.registry import Metric, register_family, register_metric
 
 R_SUM = ("r_sum", f64("reward").sum())
 R_STD = ("r_std", f64("reward").std(ddof=1))
@@ -40,6 +41,68 @@ register_metric(
 )
 
 
+#: Rollouts columns named like this (`reward_len`, TRL-style `format_reward`) are reward terms
+#: even when run.json lists none.
+REWARD_COLUMN_PREFIX, REWARD_COLUMN_SUFFIX = "reward_", "_reward"
+_REWARD_DOC = (
+    "Mean of one reward function's per-rollout value over the step's train rollouts (one "
+    "metric per function: run.json `reward_components` names the rollouts columns, as the TRL "
+    "importer writes from trainer_state.json's rewards/<name>/mean keys; any numeric "
+    "`reward_*` or `*_reward` column counts too). The total reward can rise through one term "
+    "(a format bonus) while the task term falls: the reward-hacking finding reads these to "
+    "name the term driving the rise."
+)
+
+
+def reward_components(run: Run) -> list[str]:
+    """The rollouts columns holding individual reward terms: run.json `reward_components`
+    (those present) and numeric `reward_*` columns, in that order."""
+    if "rollouts" not in run.tables:
+        return []
+    schema = run.tables["rollouts"].schema
+    numeric = [c for c, t in schema.items() if t.is_numeric() and c != "reward"]
+    listed = [c for c in run.meta.get("reward_components") or () if c in numeric]
+    prefixed = [
+        c
+        for c in numeric
+        if c.startswith(REWARD_COLUMN_PREFIX) or c.endswith(REWARD_COLUMN_SUFFIX)
+    ]
+    return list(dict.fromkeys(listed + prefixed))
+
+
+def _reward_term(name: str) -> Metric:
+    # The TRL callback keeps reward functions as `rewards/<name>` columns: the id says <name>.
+    return Metric(
+        id=f"signal.reward.{name.removeprefix('rewards/')}",
+        layer="L3",
+        title=f"Mean reward term `{name}`",
+        doc=_REWARD_DOC,
+        healthy="the task term rising with the total",
+        variants=(
+            ratio_variant(
+                "rollouts",
+                (name,),
+                (f"rc_sum:{name}", f64(name).sum()),
+                (f"rc_n:{name}", f64(name).is_not_null().cast(pl.Int64).sum()),
+                source=f"rollouts.{name} (a reward term)",
+            ),
+        ),
+    )
+
+
+register_family(
+    Metric(
+        id="signal.reward.*",
+        layer="L3",
+        title="Mean reward per reward function",
+        doc=_REWARD_DOC,
+        healthy="the task term rising with the total",
+        variants=(),
+    ),
+    lambda run: [_reward_term(name) for name in reward_components(run)],
+)
+
+
 def _group_mean(value: pl.Expr, *, min_size: int = 2):
     def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
         groups = train(frame).filter(pl.col("n") >= min_size)
@@ -67,6 +130,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.zero_std_frac",
+        band=(0.0, 0.5),
         unit="share",
         logged_as=("frac_reward_zero_std",),
         layer="L3",
@@ -76,7 +140,6 @@ register_metric(
         "as frac_reward_zero_std. Split into too easy / too hard by signal.all_correct_frac and "
         "signal.all_wrong_frac.",
         healthy="below ~0.5; higher means the prompt set no longer fits the policy",
-        better="down",
         references="Yu et al. 2025, DAPO (arXiv 2503.14476); TRL frac_reward_zero_std",
         variants=(
             custom("rollouts", ("reward",), _group_mean(_zero_std), dict([N, R_MIN, R_MAX])),
@@ -93,7 +156,6 @@ register_metric(
         doc="Share of prompt groups (size >= 2) where every rollout is correct: too easy for the "
         "current policy.",
         healthy="a minority; a growing share means the curriculum is stale",
-        better="down",
         variants=(
             custom(
                 "rollouts",
@@ -267,12 +329,12 @@ _EFFECTIVE_DOC = (
 register_metric(
     Metric(
         id="signal.effective_prompt_frac",
+        band=(0.5, 1.0),
         unit="share",
         layer="L3",
         title="Effective prompt share",
         doc=_EFFECTIVE_DOC,
         healthy="> 0.5",
-        better="up",
         references="Kish's effective sample size; seed §4",
         variants=(
             custom(

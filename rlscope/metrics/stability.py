@@ -6,7 +6,8 @@ import polars as pl
 
 from rlscope.engine import Context
 from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, step_sums
-from rlscope.registry import Metric, register_metric
+from rlscope.reader import INVALID_PREFIX
+from rlscope.registry import Metric, Variant, register_metric
 
 _d = f64("ref_logprob") - f64("logprob")
 K3 = _d.exp() - _d - 1.0
@@ -35,6 +36,56 @@ register_metric(
         healthy="smooth, slowly varying; isolated multiplicative outliers are spikes",
         better="down",
         variants=(step_column("grad_norm"),),
+    )
+)
+
+
+def _nonfinite(column: str) -> pl.Expr:
+    """Values of `column` that were NaN or ±inf in the file (the reader reads them as null and
+    flags them; `column` is named too so that the steps scan turns the flags on)."""
+    return (pl.col(INVALID_PREFIX + column) & pl.col(column).is_null()).cast(pl.Int64).sum()
+
+
+def _nonfinite_variant(columns: tuple[str, ...]) -> Variant:
+    names = [f"nonfinite_{c}" for c in columns]
+
+    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+        return frame.select(
+            "step",
+            pl.sum_horizontal(pl.col(n).fill_null(0) for n in names)
+            .cast(pl.Float64)
+            .alias("value"),
+            *(
+                pl.col(n).cast(pl.Float64).alias(f"extra_{c}")
+                for n, c in zip(names, columns, strict=True)
+            ),
+        )
+
+    return custom(
+        "steps",
+        columns,
+        series,
+        {n: _nonfinite(c) for n, c in zip(names, columns, strict=True)},
+        source="steps: " + ", ".join(columns) + " logged as NaN or ±inf",
+    )
+
+
+register_metric(
+    Metric(
+        id="stability.nonfinite",
+        layer="L1",
+        title="Non-finite loss or gradient norm",
+        doc="Per step, how many of the logged loss and gradient norm are NaN or ±inf (verl and "
+        "TRL write NaN, verl's orjson writer null, which its importer keeps as NaN). A non-finite "
+        "gradient norm means the update was NaN (or skipped by a loss scaler): the divergence "
+        "finding names the steps. rlscope's other step metrics leave those values out.",
+        healthy="0 at every step",
+        better="down",
+        variants=(
+            _nonfinite_variant(("loss", "grad_norm")),
+            _nonfinite_variant(("grad_norm",)),
+            _nonfinite_variant(("loss",)),
+        ),
     )
 )
 

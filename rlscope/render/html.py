@@ -20,18 +20,10 @@ from typing import Any
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.plots import PlotData, plot_data
+from rlscope.reader import run_provenance
 from rlscope.render.sanitize import safe_text
 from rlscope.report import LAYERS, Finding, MetricResult, Report
 
-#: Shaded as the healthy band where the registry declares none (from the metrics' docs and the
-#: findings' default thresholds): metric id -> (low, high), None = open.
-HEALTHY_BANDS: dict[str, tuple[float | None, float | None]] = {
-    "signal.zero_std_frac": (0.0, 0.5),
-    "signal.effective_prompt_frac": (0.5, 1.0),
-    "behavior.truncation_rate": (0.0, 0.05),
-    "behavior.tool_cap_frac": (0.0, 0.2),
-    "behavior.len_correct_corr": (-0.1, None),
-}
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 SEVERITY_COLORS = {"critical": "#c62828", "warn": "#ef6c00", "info": "#0277bd"}
 CSP = (
@@ -112,8 +104,8 @@ def _xlabel(align: str) -> str:
 def _band(metric_id: str) -> tuple[float | None, float | None] | None:
     from rlscope.registry import METRICS
 
-    declared = getattr(METRICS.get(metric_id), "band", None)
-    return declared if declared else HEALTHY_BANDS.get(metric_id)
+    metric = METRICS.get(metric_id)
+    return metric.band if metric is not None else None
 
 
 def _metric_chart(
@@ -445,7 +437,13 @@ def render_html(reports: Sequence[Report], data: Sequence[PlotData], *, align: s
             f"<td>{run.n_steps} ({_e(run.first_step)}–{_e(run.last_step)})</td>"
             f"<td>{run.n_rollouts:,}</td><td>{run.n_tokens:,}</td></tr>"
         )
-    parts.append("</table><h2 id='findings'>Findings</h2>")
+    parts.append("</table>")
+    for report, label in zip(reports, labels, strict=True):  # how the importer derived fields
+        found = run_provenance(report.run.meta)
+        if found:
+            items = "".join(f"<li><b>{_e(k)}</b>: {_e(v)}</li>" for k, v in found.items())
+            parts.append(f"<p class='dim'>{_e(label)}: how fields were derived</p><ul>{items}</ul>")
+    parts.append("<h2 id='findings'>Findings</h2>")
     parts += [_findings_html(r, label) for r, label in zip(reports, labels, strict=True)]
 
     ids = list(dict.fromkeys(i for r in reports for i in r.metrics))

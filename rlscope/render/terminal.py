@@ -16,12 +16,14 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from rlscope.reader import run_provenance
 from rlscope.render.sanitize import safe_text
-from rlscope.report import LAYERS, Finding, MetricResult, Report, RunInfo, severity_rank
+from rlscope.report import LAYERS, MetricResult, Report, RunInfo
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 24
 SEVERITY_STYLE = {"critical": "bold red", "warn": "yellow", "info": "cyan"}
+STATUS_STYLE = {"ok": "green", "outside": "magenta"}
 
 
 def sparkline(values: Sequence[float | None], width: int = 24) -> str:
@@ -48,16 +50,6 @@ def format_value(value: float | None) -> str:
     if magnitude >= 100:
         return f"{value:,.1f}"
     return f"{value:.4f}"
-
-
-def _metric_status(report: Report) -> dict[str, Finding]:
-    worst: dict[str, Finding] = {}
-    for finding in report.findings:
-        for metric_id in finding.evidence.get("metrics", []):
-            current = worst.get(metric_id)
-            if current is None or severity_rank(finding.severity) > severity_rank(current.severity):
-                worst[metric_id] = finding
-    return worst
 
 
 def _token_files(run: RunInfo) -> str:
@@ -87,12 +79,22 @@ def _header(report: Report) -> Panel:
         ),
         ("tokens", f"{run.n_tokens:,}" + _token_files(run)),
         ("tables", ", ".join(run.tables)),
+        *provenance_rows(run.meta),
     ):
         grid.add_row(label, Text(safe_text(value)))
     return Panel(grid, title="rlscope analyze", title_align="left")
 
 
-def _layer_panel(report: Report, layer: str, status: dict[str, Finding]) -> Panel | None:
+def provenance_rows(meta: dict, width: int = 200) -> list[tuple[str, str]]:
+    """run.json `provenance` (how the importer derived fields), one row per topic, each
+    sentence cut to `width` characters (`--format json` has them whole)."""
+    rows = []
+    for topic, text in run_provenance(meta).items():
+        rows.append((f"how: {topic}", text if len(text) <= width else text[: width - 1] + "…"))
+    return rows
+
+
+def _layer_panel(report: Report, layer: str) -> Panel | None:
     metrics = [m for m in report.metrics.values() if m.layer == layer]
     skipped = [s for s in report.skipped if _layer_of(s.metric) == layer]
     if not metrics and not skipped:
@@ -106,11 +108,12 @@ def _layer_panel(report: Report, layer: str, status: dict[str, Finding]) -> Pane
     table.add_column("trend", no_wrap=True, min_width=SPARK_WIDTH)
     table.add_column("status", no_wrap=True)
     for metric in metrics:
-        finding = status.get(metric.id)
-        if finding is None:
-            state = Text("ok", style="green")
+        verdict = report.status(metric)
+        if verdict is None:
+            state = Text("")
         else:
-            state = Text(safe_text(finding.id), style=SEVERITY_STYLE[finding.severity])
+            label, kind = verdict
+            state = Text(safe_text(label), style=STATUS_STYLE.get(kind, SEVERITY_STYLE.get(kind)))
         logged = [format_value(metric.logged.value) if metric.logged else ""] if show_logged else []
         table.add_row(
             Text(safe_text(metric.id), style="bold"),
@@ -195,9 +198,8 @@ def _findings(report: Report) -> Panel:
 
 def render_terminal(report: Report, console: Console) -> None:
     parts: list = [_header(report)]
-    status = _metric_status(report)
     for layer in LAYERS:
-        panel = _layer_panel(report, layer, status)
+        panel = _layer_panel(report, layer)
         if panel is not None:
             parts.append(panel)
     parts.append(_findings(report))

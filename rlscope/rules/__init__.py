@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
 from rlscope.config import Config
 from rlscope.engine import Computed
 from rlscope.reader import Run
@@ -10,11 +12,16 @@ from rlscope.report import Finding, Skipped, severity_rank
 from rlscope.rules.base import RuleContext
 
 
-def evaluate(computed: Computed, run: Run, config: Config) -> tuple[list[Finding], list[Skipped]]:
-    """Run every enabled rule; a rule whose metrics are all missing is reported as skipped."""
+def evaluate(
+    computed: Computed, run: Run, config: Config
+) -> tuple[list[Finding], list[Skipped], tuple[str, ...]]:
+    """Run every enabled rule; a rule whose metrics are all missing is reported as skipped.
+    Also returns the metrics some rule judged (read and had the data for), in results order:
+    only those may be shown as `ok`."""
     load_all()
     findings: list[Finding] = []
     skipped: list[Skipped] = []
+    judged: set[str] = set()
     for rule in RULES.values():
         override = config.findings.get(rule.id, {})
         if override.get("enabled", True) is False:
@@ -30,5 +37,8 @@ def evaluate(computed: Computed, run: Run, config: Config) -> tuple[list[Finding
             rule, params, severity, computed.results, computed.frames, run, computed.aggregates
         )
         findings.extend(rule.check(ctx))
+        judged.update(
+            m for m in computed.results if any(fnmatchcase(m, pattern) for pattern in rule.metrics)
+        )
     findings.sort(key=lambda f: (-severity_rank(f.severity), f.layer, f.id))
-    return findings, skipped
+    return findings, skipped, tuple(m for m in computed.results if m in judged)

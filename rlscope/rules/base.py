@@ -16,6 +16,8 @@ from rlscope.report import Finding, MetricResult
 
 #: Rules that read a trend need at least this many steps with values (overridable per rule).
 MIN_TREND_STEPS = 10
+#: Steps over which a final window's step-to-step scatter is measured, at least.
+SCATTER_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,20 @@ class Windows:
     z: float
     first_steps: tuple[int, int]
     last_steps: tuple[int, int]
+    se: float = 0.0  # standard error of `delta`
+
+    def rising(self, z: float) -> bool:
+        """Significantly up: the rise is at least `z` standard errors."""
+        return self.delta > 0 and self.z >= z
+
+    def not_rising(self, tolerance: float, z: float = 2.0) -> bool:
+        """Flat or falling, and sure of it: the upper end of the rise's interval (delta + z·se)
+        is below `tolerance`. A rise that is merely not significant, in a window too noisy to
+        tell, is not flat."""
+        return self.delta + z * self.se <= tolerance
+
+    def falling(self, z: float) -> bool:
+        return self.delta < 0 and self.z <= -z
 
 
 def window_size(n: int, fraction: float = 0.2, minimum: int = 3) -> int:
@@ -68,6 +84,7 @@ def compare_windows(series: Series, fraction: float = 0.2) -> Windows:
         z,
         (int(steps[0]), int(steps[w - 1])),
         (int(steps[-w]), int(steps[-1])),
+        se,
     )
 
 
@@ -77,6 +94,17 @@ def _var(x: np.ndarray) -> float:
 
 def final_mean(series: Series, fraction: float = 0.1, minimum: int = 3) -> float:
     return float(series.values[-window_size(len(series), fraction, minimum) :].mean())
+
+
+def final_se(series: Series, fraction: float = 0.1, minimum: int = 3) -> float:
+    """Standard error of `final_mean` from the step-to-step scatter: the sampling error of a
+    small batch (few groups or rollouts a step) shows up as scatter between steps, so a level
+    judged against it holds at any batch size. The scatter is measured over at least
+    SCATTER_STEPS steps (a standard deviation of 3 values is itself too noisy to judge by) and
+    applied to the window's own length. 0 for a one-step window."""
+    w = window_size(len(series), fraction, minimum)
+    spread = series.values[-max(w, min(len(series), SCATTER_STEPS)) :]
+    return float(spread.std(ddof=1) / math.sqrt(w)) if len(spread) > 1 else 0.0
 
 
 def rolling_median(values: np.ndarray, window: int) -> np.ndarray:
@@ -161,13 +189,24 @@ def final_steps(series: Series, fraction: float = 0.2, minimum: int = 3) -> int:
     return int(series.steps[-window_size(len(series), fraction, minimum)])
 
 
-def level_severity(level: float, params: Mapping[str, float]) -> str | None:
-    """`critical` at or above params["critical_at"], `warn` at or above params["warn_at"]."""
-    if level >= params["critical_at"]:
-        return "critical"
-    if level >= params["warn_at"]:
-        return "warn"
-    return None
+def level_severity(level: float, params: Mapping[str, float], se: float = 0.0) -> str | None:
+    """`warn` when `level - 2·se` is at or above params["warn_at"] (a window too small to be
+    sure the level is past the threshold, a handful of groups or a short run, does not count as
+    past it), `critical` when it is and the level itself is at or above params["critical_at"]."""
+    sure = level - 2.0 * se
+    if sure < params["warn_at"]:
+        return None
+    return "critical" if level >= params["critical_at"] else "warn"
+
+
+def share_se(share: float, units: float, scatter: np.ndarray | None = None) -> float:
+    """Standard error of a share measured over `units` independent units (groups, rollouts)
+    pooled over a window: the larger of the binomial error and, when given, the error implied
+    by the step-to-step scatter of the per-step shares (which also catches correlated units)."""
+    binomial = math.sqrt(max(share * (1 - share), 0.0) / units) if units > 0 else math.inf
+    if scatter is not None and len(scatter) > 1:
+        return max(binomial, float(scatter.std(ddof=1)) / math.sqrt(len(scatter)))
+    return binomial
 
 
 def pct(x: float) -> str:

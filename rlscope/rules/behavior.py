@@ -16,6 +16,7 @@ from rlscope.rules.base import (
     compare_windows,
     example_ids,
     final_mean,
+    final_se,
     level_severity,
     pct,
     pooled_corr,
@@ -27,19 +28,28 @@ from rlscope.rules.base import (
 @rule(
     "entropy-collapse",
     layer="L2",
-    title="Entropy collapsed early",
-    doc="Token entropy lost at least `min_drop` of its initial value over the run, and at least "
-    "`early_share` of that loss happened within the first `early_fraction` of the steps. A "
-    "smooth decline (even an exponential one over the run) spreads the loss out and stays "
-    "silent; a collapse is a cliff followed by a floor. Collapse almost always precedes "
-    "saturated performance: with no entropy left the policy stops exploring.",
+    title="Token entropy collapsed",
+    doc="Token entropy lost at least `min_drop` of its initial level (first vs final window, "
+    "3-step rolling median) and either the loss came as a cliff — at least `cliff_share` of it "
+    "within `cliff_fraction` of the steps, anywhere in the run — or the policy is left nearly "
+    "deterministic (at least `floor_drop` of the initial entropy gone, whatever the shape). "
+    "Mechanism (Cui et al. 2025, arXiv 2505.22617): under policy gradient, entropy falls by the "
+    "covariance of log-probability and advantage; once it is gone the policy stops exploring "
+    "and attainable reward is capped (R ≈ -a·e^H + b). A smooth, moderate decline is normal "
+    "(seed §6: monotone decline is the norm); a cliff or a floor is collapse. The seed's "
+    "contrast of a sharp drop in the first ~50 steps with a smooth decline is a detail of the "
+    "message: an early cliff almost always precedes saturated performance; a late cliff is "
+    "collapse too. Thresholds are shares of the run's own initial level and of its length, so "
+    "they hold at any run length, vocabulary and batch size.",
     remedy="lower the learning rate; use clip-higher (DAPO), Clip-Cov/KL-Cov or an entropy "
     "bonus; check for a too-low sampling temperature; raise the KL coefficient.",
     metrics=("behavior.entropy",),
     params={
         "min_drop": Param(0.5, "entropy lost over the run, as a share of its initial value"),
-        "early_fraction": Param(0.2, "the 'early' part of the run, as a share of its steps"),
-        "early_share": Param(0.75, "share of the total loss that happened early"),
+        "cliff_fraction": Param(0.2, "the width of a cliff, as a share of the run's steps"),
+        "cliff_share": Param(0.75, "share of the total loss within one such window"),
+        "floor_drop": Param(0.85, "entropy lost, whatever the shape, that is collapse"),
+        "early_fraction": Param(0.2, "a cliff starting within this share of the run is early"),
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
     },
     severity="critical",
@@ -50,25 +60,37 @@ def entropy_collapse(ctx: RuleContext) -> Iterator[Finding]:
     if entropy is None or len(entropy) < p["min_steps"]:
         return
     smooth = rolling_median(entropy.values, 3)
-    start, end = float(smooth[0]), final_mean(entropy)
+    n = len(smooth)
+    start = float(smooth[: window_size(n, 0.05, 1)].mean())
+    end = final_mean(entropy)
     if start <= 0 or not math.isfinite(start):
         return
     drop = start - end
     if drop / start < p["min_drop"]:
         return
-    early_index = math.ceil(p["early_fraction"] * (len(smooth) - 1))
-    early_loss = (start - float(smooth[early_index])) / drop
-    if early_loss >= p["early_share"]:
-        halfway = int(np.argmax(smooth <= start - drop / 2))
-        yield ctx.finding(
-            f"Entropy fell from {start:.3g} to {end:.3g} nats ({pct(drop / start)} lost), "
-            f"{pct(min(early_loss, 1.0))} of it by step {int(entropy.steps[early_index])}; half "
-            f"was gone by step {int(entropy.steps[halfway])}.",
-            entropy_start=start,
-            entropy_end=end,
-            early_loss_share=early_loss,
-            steps=[int(entropy.steps[0]), int(entropy.steps[halfway])],
+    width = max(1, math.ceil(p["cliff_fraction"] * (n - 1)))
+    falls = smooth[:-width] - smooth[width:]
+    at = int(np.argmax(falls))
+    cliff = float(falls[at]) / drop
+    if cliff < p["cliff_share"] and drop / start < p["floor_drop"]:
+        return
+    begin, stop = int(entropy.steps[at]), int(entropy.steps[at + width])
+    if cliff >= p["cliff_share"]:
+        early = at <= p["early_fraction"] * (n - 1)
+        shape = f"{pct(min(cliff, 1.0))} of it in a cliff over steps {begin}–{stop}" + (
+            " (early: collapse this early almost always precedes saturated performance)"
+            if early
+            else " (late in the run)"
         )
+    else:
+        shape = "a decline that leaves the policy nearly deterministic"
+    yield ctx.finding(
+        f"Entropy fell from {start:.3g} to {end:.3g} nats ({pct(drop / start)} lost), {shape}.",
+        entropy_start=start,
+        entropy_end=end,
+        cliff_share=cliff,
+        steps=[begin, stop],
+    )
 
 
 @rule(
@@ -77,8 +99,9 @@ def entropy_collapse(ctx: RuleContext) -> Iterator[Finding]:
     title="Responses grow longer without getting more correct",
     doc="Mean response length grew by at least `growth_min` (last vs first fifth of the run, "
     "significant at z > 2), while within prompts length and correctness are unrelated (pooled "
-    "within-group correlation |r| < `corr_max`) and pass@1 rose by less than `acc_rise_max` "
-    "or not significantly (z < 2). "
+    "within-group correlation |r| < `corr_max`) and pass@1 did not rise: the upper end of "
+    "the one-sided 90% interval of its rise is below `acc_rise_max` (judged on the interval, "
+    "so a real rise that a small batch cannot show as significant is not read as flat). "
     "The seed's 'spurious length growth': a length bias of the objective (Dr. GRPO: GRPO's 1/|o| "
     "normalisation favours long wrong answers) rather than longer reasoning that helps.",
     remedy="use token-level or constant length normalisation (Dr. GRPO, DAPO's token-level "
@@ -103,7 +126,9 @@ def spurious_length_growth(ctx: RuleContext) -> Iterator[Finding]:
         return
     r, _ = pooled
     growth = grow.last / grow.first - 1
-    accuracy_flat = acc_trend.delta < p["acc_rise_max"] or acc_trend.z < 2
+    # Flat means sure it is flat: the one-sided 90% upper bound of the rise is small (a rise
+    # that is merely not significant in a small batch is not flat).
+    accuracy_flat = acc_trend.not_rising(p["acc_rise_max"], z=1.28)
     if growth >= p["growth_min"] and grow.z > 2 and abs(r) < p["corr_max"] and accuracy_flat:
         yield ctx.finding(
             f"Mean length grew {pct(growth)} ({grow.first:.0f} → {grow.last:.0f} tokens) while "
@@ -120,22 +145,36 @@ def spurious_length_growth(ctx: RuleContext) -> Iterator[Finding]:
 @rule(
     "overthinking",
     layer="L2",
-    title="Longer responses are less often correct",
-    doc="Over the second half of the run, the pooled within-prompt correlation of length and "
-    "correctness is at most `corr_max` and significantly negative (r·sqrt(dof) <= -`z`): for "
-    "the same prompt, longer attempts fail more. Overthinking or hallucinating past the answer; "
-    "length growth then costs compute and accuracy.",
+    title="Responses grow longer, and longer responses are less often correct",
+    doc="Mean response length grew by at least `growth_min` between the first and last fifth of "
+    "the run (z > 2 against the step-to-step scatter), and over the second half of the run the "
+    "pooled within-prompt correlation of length and correctness is at most `corr_max` and "
+    "significantly negative (r·sqrt(dof) <= -`z`): for the same prompt, longer attempts fail "
+    "more, and the policy is moving toward them. The seed's table reads the relation of length "
+    "and correctness *as length grows* (R1/o1: RL lengthens responses): 'longer → less "
+    "correct' is overthinking or hallucinating past the answer. A negative correlation alone is "
+    "not that: in almost every model wrong attempts are longer (rambling, truncated, looping), "
+    "also in healthy runs whose responses get shorter; so without growth it stays silent. "
+    "Within-prompt (pooled within-group) correlation removes prompt difficulty; both tests use "
+    "the run's own noise, so they hold at any batch and group size.",
     remedy="add a length penalty or overlong shaping; check for repetition loops and for "
     "answers buried in or after long reasoning; lower max_response_len.",
-    metrics=("behavior.len_correct_corr",),
+    metrics=("behavior.len_correct_corr", "behavior.response_len"),
     params={
         "corr_max": Param(-0.1, "pooled within-prompt correlation at or below this"),
         "z": Param(3.0, "and at least this many standard errors below 0"),
+        "growth_min": Param(0.1, "relative growth of the mean length"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge the growth"),
     },
 )
 def overthinking(ctx: RuleContext) -> Iterator[Finding]:
     frame = ctx.frame("behavior.len_correct_corr")
-    if frame is None or frame.height == 0:
+    length = ctx.series("behavior.response_len")
+    p = ctx.params
+    if frame is None or frame.height == 0 or length is None or len(length) < p["min_steps"]:
+        return
+    grow = compare_windows(length)
+    if grow.first <= 0 or grow.last / grow.first - 1 < p["growth_min"] or grow.z <= 2:
         return
     steps = frame["step"].sort()
     half = int(steps[len(steps) // 2])
@@ -143,14 +182,27 @@ def overthinking(ctx: RuleContext) -> Iterator[Finding]:
     if pooled is None:
         return
     r, dof = pooled
-    if r <= ctx.params["corr_max"] and r * math.sqrt(max(dof, 1.0)) <= -ctx.params["z"]:
+    if r <= p["corr_max"] and r * math.sqrt(max(dof, 1.0)) <= -p["z"]:
         yield ctx.finding(
-            f"Within prompts, longer responses are less often correct (r = {r:+.3f} over steps "
-            f"{half}–{int(steps[-1])}).",
+            f"Responses grew {pct(grow.last / grow.first - 1)} ({grow.first:.0f} → "
+            f"{grow.last:.0f}) and within prompts longer responses are less often correct "
+            f"(r = {r:+.3f} over steps {half}–{int(steps[-1])}).",
             within_prompt_corr=r,
             dof=dof,
+            length_first=grow.first,
+            length_last=grow.last,
             steps=[half, int(steps[-1])],
         )
+
+
+#: How every final-window level rule allows for sampling error (appended to their docs).
+LEVEL_NOTE = (
+    " The level is judged two standard errors deep: the final-window mean (the last tenth of "
+    "the steps, at least 3) minus twice its standard error from the window's step-to-step "
+    "scatter must reach `warn_at`, so a small batch (few rollouts a step) or a short run does "
+    "not fire on noise; `critical_at` then applies to the level itself. Shares of the run's "
+    "own rollouts, so they hold at any run length and group size."
+)
 
 
 def _level_rule(
@@ -168,7 +220,7 @@ def _level_rule(
         return
     value = final_mean(series)
     level = 1.0 - value if complement else value
-    severity = level_severity(level, ctx.params)
+    severity = level_severity(level, ctx.params, final_se(series))
     if severity is None:
         return
     evidence = {}
@@ -198,7 +250,9 @@ def _level_rule(
     title="Many responses hit the length cap",
     doc="Final-window truncation rate at least `warn_at` (critical at `critical_at`). Truncated "
     "responses are usually scored wrong for a reason unrelated to the task, so the reward "
-    "penalises length, not mistakes, and the run learns to stop early or never finishes.",
+    "penalises length, not mistakes, and the run learns to stop early or never finishes "
+    "(verl response_length/clip_ratio, TRL completions/clipped_ratio). A cap is in tokens: "
+    "word counts are never compared with it." + LEVEL_NOTE,
     remedy="raise max_response_len; use overlong filtering or soft overlong punishment (DAPO); "
     "check for repetition loops in truncated responses.",
     metrics=("behavior.truncation_rate",),
@@ -217,7 +271,8 @@ def truncation(ctx: RuleContext) -> Iterator[Finding]:
     title="Rollouts run into the tool-call cap",
     doc="Final-window share of rollouts at run.json max_tool_calls at least `warn_at` "
     "(critical at `critical_at`): the policy calls tools mechanically until stopped. Reward may "
-    "look fine while cost and latency multiply.",
+    "look fine while cost and latency multiply (seed §3: calls near the cap = mechanical "
+    "repeated calling)." + LEVEL_NOTE,
     remedy="penalise tool calls beyond need (OTC-style tool-efficiency reward); inspect "
     "redundant calls; check the tool's responses are actually used.",
     metrics=("behavior.tool_cap_frac",),
@@ -237,7 +292,9 @@ def tool_cap_saturation(ctx: RuleContext) -> Iterator[Finding]:
     doc="Over the final fifth of the run, the pooled within-prompt standard deviation of tool "
     "calls is more than `cv_max` times the mean number of calls (and the mean is at least "
     "`min_calls`): for one prompt the policy sometimes calls no tool and sometimes many. The "
-    "seed's 'high variance = unstable policy'.",
+    "seed's 'high variance = unstable policy' (§3). Pooled within-prompt, so prompt "
+    "difficulty does not inflate it, and over the final fifth's groups, so a small batch "
+    "still pools hundreds of rollouts; a ratio to the mean, so it holds at any call budget.",
     remedy="lower the learning rate; shape the reward for consistent tool use; check that tool "
     "failures are handled the same way across rollouts.",
     metrics=("behavior.tool_calls_std", "behavior.tool_calls"),
@@ -277,7 +334,8 @@ def tool_call_instability(ctx: RuleContext) -> Iterator[Finding]:
     "misordered tags, a missing or blank answer, a tool call that is not JSON with `name` and "
     "`arguments`) at least `warn_at` (critical at `critical_at`). Only judged when responses use "
     "tags. A broken format gets no reward for reasons unrelated to the task; a share that rises "
-    "during training is often reward hacking around the parser or a collapse into loops.",
+    "during training is often reward hacking around the parser or a collapse into loops "
+    "(seed §3, segment quality)." + LEVEL_NOTE,
     remedy="open the listed rollouts (`rlscope show RUN ID`); add or raise a format reward; "
     "check the chat template and stop tokens; check [tags] matches the model's tags.",
     metrics=("behavior.format_ok",),
@@ -305,7 +363,8 @@ def format_violations(ctx: RuleContext) -> Iterator[Finding]:
     doc="Final-window mean of behavior.repetition (1 - distinct/total word 3-grams in the think "
     "segment) at least `warn_at` (critical at `critical_at`). Natural reasoning repeats few "
     "3-grams (< 0.1); loops of the same sentences waste the length budget and usually end "
-    "truncated or wrong.",
+    "truncated or wrong (open-r1's repetition penalty measures the same 3-gram share)."
+    + LEVEL_NOTE,
     remedy="open the listed rollouts; add a repetition penalty (open-r1) or overlong shaping; "
     "check sampling temperature and entropy (a collapsed policy loops).",
     metrics=("behavior.repetition",),
@@ -337,7 +396,8 @@ def _redundant_examples(rows: pl.DataFrame) -> list[int]:
     doc="Final-window share of tool calls that repeat an earlier call's arguments in the same "
     "rollout (behavior.redundant_tool_calls) at least `warn_at` (critical at `critical_at`). "
     "Repeated calls return what the policy already has: invisible in reward, they multiply "
-    "latency and cost, and often mean the policy does not read the tool's response.",
+    "latency and cost, and often mean the policy does not read the tool's response (seed §3: "
+    "a hidden failure mode of agent RL)." + LEVEL_NOTE,
     remedy="open the listed rollouts; penalise repeated calls or reward tool efficiency (OTC); "
     "check that tool responses reach the context.",
     metrics=("behavior.redundant_tool_calls",),

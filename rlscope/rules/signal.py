@@ -15,6 +15,7 @@ from rlscope.rules.base import (
     final_mean,
     level_severity,
     pct,
+    share_se,
     window_size,
 )
 
@@ -24,9 +25,14 @@ from rlscope.rules.base import (
     layer="L3",
     title="Most prompt groups carry no learning signal",
     doc="Final-window share of zero-σ groups (all rollouts rewarded the same) at least "
-    "`warn_at` (critical at `critical_at`). Those groups get zero advantage under GRPO: their "
-    "samples are wasted compute. The message says which side: all-correct groups (too easy: "
-    "the curriculum is stale) or all-wrong groups (too hard: the policy is left behind).",
+    "`warn_at` (critical at `critical_at`), judged on the share minus two standard errors (the "
+    "larger of the binomial error over the window's groups and the step-to-step scatter), so a "
+    "final window of a few dozen groups does not fire on noise. Those groups get zero advantage "
+    "under GRPO: their samples are wasted compute (seed §4: σ_G = 0 all correct = too easy, all "
+    "wrong = too hard). Which side decides the severity: all-wrong groups (too hard: the policy "
+    "is left behind, no signal to learn from) keep it; all-correct groups (too easy) are "
+    "`info` — a policy that has solved its prompts is the goal of training, and the remedy (a "
+    "harder curriculum, dynamic sampling) is an efficiency choice, not a repair.",
     remedy="too easy: drop solved prompts, harder curriculum, DAPO dynamic sampling; too hard: "
     "easier prompts, SFT warm-up, partial-credit rewards, larger groups.",
     metrics=("signal.zero_std_frac", "signal.all_correct_frac", "signal.all_wrong_frac"),
@@ -37,10 +43,11 @@ from rlscope.rules.base import (
 )
 def dead_prompts(ctx: RuleContext) -> Iterator[Finding]:
     zero = ctx.series("signal.zero_std_frac")
-    if zero is None or len(zero) == 0:
+    frame = ctx.frame("signal.zero_std_frac")
+    if zero is None or len(zero) == 0 or frame is None:
         return
-    level = final_mean(zero)
-    severity = level_severity(level, ctx.params)
+    level, se, first = _final_share(frame, len(zero))
+    severity = level_severity(level, ctx.params, se)
     if severity is None:
         return
     easy, hard = ctx.series("signal.all_correct_frac"), ctx.series("signal.all_wrong_frac")
@@ -51,15 +58,30 @@ def dead_prompts(ctx: RuleContext) -> Iterator[Finding]:
         detail = f" ({pct(easy_level)} all correct, {pct(hard_level)} all wrong: {side})"
     else:
         side, detail = "unknown", ""
+    if side == "too easy":
+        severity = "info"
+        detail += "; the policy has solved most of its prompts"
     yield ctx.finding(
         f"{pct(level)} of prompt groups have zero reward variance and give no gradient{detail}.",
         severity=severity,
         zero_std_frac=level,
+        standard_error=se,
         all_correct_frac=easy_level,
         all_wrong_frac=hard_level,
         side=side,
-        steps=[int(zero.steps[-1])],
+        steps=[first, int(zero.steps[-1])],
     )
+
+
+def _final_share(frame: pl.DataFrame, n_steps: int) -> tuple[float, float, int]:
+    """A per-step group share pooled over the final window (weighted by the step's groups),
+    its standard error, and the window's first step."""
+    frame = frame.filter(pl.col("value").is_not_null()).sort("step")
+    window = frame.tail(window_size(n_steps, 0.1))
+    groups = window["groups"].cast(pl.Float64).to_numpy()
+    values = window["value"].cast(pl.Float64).to_numpy()
+    level = float((values * groups).sum() / groups.sum())
+    return level, share_se(level, float(groups.sum()), values), int(window["step"][0])
 
 
 @rule(
@@ -70,7 +92,10 @@ def dead_prompts(ctx: RuleContext) -> Iterator[Finding]:
     "(Σw)²/(P_live·Σw²), pooled over the groups of the final fifth of the run, is below "
     "`live_share_max`: the prompt-level "
     "reward distribution is long-tailed and the effective batch is far smaller than the nominal "
-    "one. (Groups with no signal at all are dead-prompts' business.)",
+    "one (seed §5: a long tail where a few prompts get all positive reward). (Groups with no "
+    "signal at all are dead-prompts' business.) Pooled over the final fifth because one step "
+    "of a small batch cannot get below 1 / live groups: pooling makes the share comparable "
+    "at any batch size; it is a ratio of sums, so scale-free in the reward.",
     remedy="normalise rewards per prompt (GRPO's std normalisation) or clip reward scale; "
     "rebalance the prompt mix; check reward functions for prompt-dependent scales.",
     metrics=("signal.effective_prompt_frac",),
@@ -116,8 +141,11 @@ def reward_concentration(ctx: RuleContext) -> Iterator[Finding]:
     "headroom that pass@1 closed — (last - first) / (1 - first) for each, so a pass@k that is "
     "simply near its ceiling does not count as flat — or fell; pass@k must start at most "
     "1 - `headroom`. Probability is concentrating on modes the policy already knew and no new "
-    "ones are found: the early sign of mode collapse (Yue et al. 2025), long before reward "
-    "turns down.",
+    "ones are found: the seed's 'reward still rises but pass@k does not' (§6), the early sign "
+    "of mode collapse (Yue et al. 2025, arXiv 2504.13837), long before reward turns down. "
+    "When the reward rises but pass@1 does not, the reward is not buying correctness at all: "
+    "that is reward-hacking's case, not this one. The z-scores use the step-to-step scatter "
+    "of each window, so they hold at any batch and group size.",
     remedy="keep exploration alive: higher temperature, entropy bonus or clip-higher, larger "
     "groups; check pass@k at large k against the base model; diversify prompts.",
     metrics=("signal.pass_at_1", "signal.pass_at_k"),
@@ -135,7 +163,7 @@ def mode_collapse(ctx: RuleContext) -> Iterator[Finding]:
     if p1 is None or pk is None or min(len(p1), len(pk)) < p["min_steps"]:
         return
     one, k = compare_windows(p1), compare_windows(pk)
-    rising = one.delta >= p["min_rise"] and one.z >= p["z"] and one.first < 1
+    rising = one.delta >= p["min_rise"] and one.rising(p["z"]) and one.first < 1
     if not rising or k.first > 1 - p["headroom"]:
         return
     gain_one, gain_k = one.delta / (1 - one.first), k.delta / (1 - k.first)
@@ -148,3 +176,87 @@ def mode_collapse(ctx: RuleContext) -> Iterator[Finding]:
             headroom_closed={"pass@1": gain_one, "pass@k": gain_k},
             steps=[one.first_steps[0], one.last_steps[1]],
         )
+
+
+REWARD_TERMS = "signal.reward.*"
+ONE_SIDED_95 = 1.645
+
+
+@rule(
+    "reward-hacking",
+    layer="L3",
+    title="Reward rises while the task does not",
+    doc="Between the first and last fifth of the run the mean reward rose significantly (z >= "
+    "`z`) while pass@1 (correctness), with room to rise (it starts below 1 - `headroom`), did "
+    "not: the upper end of the one-sided 95% interval of its rise (delta + 1.645 se) is below "
+    "`flat_tol`, or it fell. The seed's opening sentence: reward keeps rising while "
+    "the policy degenerates; reward that does not buy correctness comes from a term the task "
+    "does not need (a format or length bonus, a judge's bias) or a verifier the policy has "
+    "learned to game. Critical when pass@1 or pass@k fell significantly (the policy is getting "
+    "worse at the task). The message names the reward term that rose most and the ones that "
+    "fell (signal.reward.<name>: TRL's reward functions, verl's reward extras, `reward_*` "
+    "columns). Flat is judged on the interval, not on a failed significance test: in a small "
+    "batch a real rise can be not significant, and that is not 'flat'. Standard errors come "
+    "from each window's step-to-step scatter, so the test holds at any batch or group size "
+    "and run length (at least `min_steps` steps).",
+    remedy="inspect the highest-reward rollouts of the last steps; lower the weight of the term "
+    "that drives the rise or make it conditional on correctness; check the verifier for "
+    "exploits; track pass@k against the base model.",
+    metrics=("signal.reward", "signal.pass_at_1", "signal.pass_at_k", REWARD_TERMS),
+    params={
+        "z": Param(2.0, "z-score of the reward rise"),
+        "flat_tol": Param(0.02, "pass@1 rising by less than this (upper 95% bound) is flat"),
+        "headroom": Param(0.05, "pass@1 must start at most 1 - headroom"),
+        "fall_z": Param(2.0, "a fall of pass@1 or pass@k with z below -this is significant"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+)
+def reward_hacking(ctx: RuleContext) -> Iterator[Finding]:
+    reward, p1 = ctx.series("signal.reward"), ctx.series("signal.pass_at_1")
+    p = ctx.params
+    if reward is None or p1 is None or min(len(reward), len(p1)) < p["min_steps"]:
+        return
+    r, one = compare_windows(reward), compare_windows(p1)
+    if not r.rising(p["z"]) or one.first > 1 - p["headroom"]:
+        return
+    if not one.not_rising(p["flat_tol"], z=ONE_SIDED_95):
+        return
+    pk = ctx.series("signal.pass_at_k")
+    k = compare_windows(pk) if pk is not None and len(pk) >= p["min_steps"] else None
+    falling = one.falling(p["fall_z"]) or (k is not None and k.falling(p["fall_z"]))
+    terms = {
+        metric_id.removeprefix("signal.reward."): compare_windows(series)
+        for metric_id in sorted(ctx.results)
+        if metric_id.startswith("signal.reward.")
+        and (series := ctx.series(metric_id)) is not None
+        and len(series) >= p["min_steps"]
+    }
+    driver = max(terms, key=lambda t: terms[t].delta, default=None)
+    fell = [t for t, w in terms.items() if w.falling(p["fall_z"])]
+    parts = [f"reward rose {r.first:.3g} → {r.last:.3g}"]
+    if driver is not None and terms[driver].delta > 0:
+        parts.append(f"driven by `{driver}` ({terms[driver].first:.3g} → {terms[driver].last:.3g})")
+    task = f"pass@1 went {one.first:.3f} → {one.last:.3f}"
+    if k is not None:
+        task += f" and pass@k {k.first:.3f} → {k.last:.3f}"
+    message = ", ".join(parts) + f", while {task}"
+    if fell:
+        message += "; falling: " + ", ".join(
+            f"`{t}` {terms[t].first:.3g} → {terms[t].last:.3g}" for t in fell
+        )
+    yield ctx.finding(
+        message[0].upper() + message[1:] + ": the reward is not buying correctness.",
+        severity="critical" if falling else None,
+        reward=[r.first, r.last],
+        pass_at_1=[one.first, one.last],
+        pass_at_k=[k.first, k.last] if k is not None else None,
+        driver=driver,
+        terms={t: [w.first, w.last] for t, w in terms.items()},
+        metrics=[
+            "signal.reward",
+            "signal.pass_at_1",
+            *(["signal.pass_at_k"] if k is not None else []),
+            *(f"signal.reward.{t}" for t in terms),
+        ],
+        steps=[r.first_steps[0], r.last_steps[1]],
+    )

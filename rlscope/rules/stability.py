@@ -8,13 +8,16 @@ from collections.abc import Iterator
 import numpy as np
 import polars as pl
 
-from rlscope.registry import Param, rule
+from rlscope.registry import RULES, Param, Rule, rule
 from rlscope.report import Finding
 from rlscope.rules.base import (
     MIN_TREND_STEPS,
     RuleContext,
     compare_windows,
     final_mean,
+    final_se,
+    final_steps,
+    level_severity,
     pct,
     rolling_median,
     window_size,
@@ -30,7 +33,10 @@ from rlscope.rules.base import (
     "and last fifth of the run (z-score below `z`). Small KL alone is fine when the policy "
     "improves; small KL with no improvement means the updates do nothing: learning rate too "
     "low, advantages ~0 (dead prompts), a KL penalty or clip that is too tight, or a "
-    "frozen/detached policy.",
+    "frozen/detached policy (seed §2: KL too low = nothing new learned). A KL that is exactly 0 "
+    "at every step was not measured (verl >= 0.7 logs actor/kl_loss = 0.0 with the KL loss "
+    "off): the rule stays silent rather than read it as evidence. The improvement test uses "
+    "the windows' step-to-step scatter, so it holds at any batch size and run length.",
     remedy="check the effective learning rate and that gradients reach the policy; check "
     "signal.zero_std_frac; lower the KL coefficient (β) or raise the clip range.",
     metrics=("stability.kl", "signal.pass_at_1"),
@@ -46,6 +52,8 @@ def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
     p = ctx.params
     if kl is None or progress is None or min(len(kl), len(progress)) < p["min_steps"]:
         return
+    if not np.any(kl.values != 0):
+        return  # exactly 0 at every step: a disabled KL loss logging 0.0, not a measured KL
     level = final_mean(kl)
     trend = compare_windows(progress)
     if level < p["kl_max"] and trend.z < p["z"]:
@@ -67,7 +75,10 @@ def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
     "at least `growth_ratio` times the middle third's and its increase at least `accel_ratio` "
     "times the previous increase (a convex, exponential-like curve; linear and saturating "
     "growth stay silent). The policy is drifting away from the base model, which usually ends "
-    "in lost general ability, reward hacking or divergence.",
+    "in lost general ability, reward hacking or divergence (seed §2: the KL's absolute value "
+    "has no standard, the *shape* of its curve tells). Ratios of the run's own thirds, so they "
+    "hold at any run length and KL scale; thirds average many steps, which absorbs the noise "
+    "of small batches.",
     remedy="raise the KL coefficient (β) or add a KL loss; lower the learning rate; check the "
     "reward for hacking (inspect the highest-reward rollouts of the last steps).",
     metrics=("stability.kl",),
@@ -99,14 +110,52 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
+    "kl-high",
+    layer="L1",
+    title="KL to the reference is very high",
+    doc="Final-window token-mean KL to the reference at least `warn_at` nats per token "
+    "(critical at `critical_at`). The seed (§2): too high means the policy has drifted far "
+    "from the pretrained model and may lose its base abilities; the KL's shape matters more "
+    "than its level, but the level has a floor of meaning: a per-token KL of 0.5 nats means "
+    "the reference gives the policy's own tokens on average ~40% less probability, token after "
+    "token — a different model. LLM RL with a KL penalty or loss typically stays at 1e-3 to "
+    "1e-1 nats/token (TRL logs k3 as `kl`, verl low_var_kl). A token-mean over thousands of "
+    "tokens a step has negligible sampling error; the window mean absorbs single spikes.",
+    remedy="lower the learning rate; raise the KL coefficient (β) or switch the KL loss on; "
+    "check the reference model is the policy's own starting checkpoint.",
+    metrics=("stability.kl",),
+    params={
+        "warn_at": Param(0.5, "final-window KL (nats/token) for a warning"),
+        "critical_at": Param(1.0, "final-window KL (nats/token) for a critical finding"),
+        "min_steps": Param(3, "fewest steps to judge"),
+    },
+)
+def kl_high(ctx: RuleContext) -> Iterator[Finding]:
+    kl = ctx.series("stability.kl")
+    if kl is None or len(kl) < ctx.params["min_steps"]:
+        return
+    level = final_mean(kl)
+    severity = level_severity(level, ctx.params, final_se(kl))
+    if severity is not None:
+        yield ctx.finding(
+            f"KL to the reference is {level:.3g} nats/token over the last steps: the policy "
+            "has drifted far from its starting model.",
+            severity=severity,
+            final_kl=level,
+            steps=[final_steps(kl, 0.1), int(kl.steps[-1])],
+        )
+
+
+@rule(
     "grad-spike",
     layer="L1",
     title="Gradient-norm spikes",
     doc="Steps whose gradient norm is a multiplicative outlier: at least `ratio` times the "
     "rolling median and `robust_z` robust standard deviations above it in log space (median and "
     "MAD over a centred window of ~10% of the run). In sparse-reward runs a spike usually comes "
-    "from one rollout of extreme reward; each spike lists the step's rollouts furthest from the "
-    "step's mean reward.",
+    "from one rollout of extreme reward (seed §6); each spike lists the step's rollouts furthest "
+    "from the step's mean reward. Multiplicative and robust (median/MAD in log space) so it "
+    "holds at any gradient scale; the window is a share of the run, so at any run length.",
     remedy="inspect the listed rollouts (reward bug, parser edge case, hacked reward); clip "
     "rewards or advantages; lower the learning rate or tighten gradient clipping.",
     metrics=("stability.grad_norm",),
@@ -184,38 +233,235 @@ def _extreme_rollouts(ctx: RuleContext, steps: list[int], top: int = 3) -> dict[
     "entropy-clip-conflict",
     layer="L1",
     title="Low entropy with a high clip fraction",
-    doc="At the end of the run entropy has fallen to at most `entropy_ratio` of its initial "
-    "value while the PPO clip fraction is at least `clip_frac_min`: the policy has converged to "
-    "a narrow mode while each update keeps pushing tokens out of the trust region — the seed's "
-    "'classic instability', two forces fighting. (A fully on-policy run has clip fraction 0 and "
-    "never triggers this.)",
-    remedy="lower the learning rate or the number of PPO epochs per batch; protect high-entropy "
-    "tokens (Clip-Cov / KL-Cov, clip-higher); add an entropy bonus.",
+    doc="In the final window token entropy is low — at most `entropy_max` nats, or at most "
+    "`entropy_ratio` of its initial level — while the PPO clip fraction is at least "
+    "`clip_frac_min`. The seed's table (§2): 'entropy low but clip fraction high is classic "
+    "instability: the policy has converged to a narrow mode while updates keep pulling it "
+    "away, two forces fighting'. It is a state, so it is judged on levels, not on how far "
+    "entropy fell: a run that starts low and clips heavily from the start is in it too. Healthy "
+    "LLM RL clips well under 2% of tokens (ε = 0.2); a tenth of all tokens at the trust-region "
+    "edge means each update overshoots. The clip fraction is a share over the window's tokens "
+    "(thousands per step), so its sampling error is negligible at any batch size. A fully "
+    "on-policy run (one update per batch) has clip fraction 0 and never triggers this.",
+    remedy="lower the learning rate or the number of PPO epochs / mini-batches per batch; "
+    "protect high-entropy tokens (Clip-Cov / KL-Cov, clip-higher); add an entropy bonus.",
     metrics=("behavior.entropy", "stability.clip_frac"),
     params={
-        "entropy_ratio": Param(0.35, "final entropy / initial entropy at or below this is low"),
+        "entropy_max": Param(0.3, "final-window entropy (nats/token) at or below this is low"),
+        "entropy_ratio": Param(0.35, "or final / initial entropy at or below this"),
         "clip_frac_min": Param(0.1, "final-window clip fraction at or above this is high"),
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
     },
     severity="critical",
 )
 def entropy_clip_conflict(ctx: RuleContext) -> Iterator[Finding]:
-    entropy, clip = ctx.series("behavior.entropy"), ctx.series("stability.clip_frac")
-    p = ctx.params
-    if entropy is None or clip is None or min(len(entropy), len(clip)) < p["min_steps"]:
-        return
-    start = float(np.mean(entropy.values[: window_size(len(entropy), 0.02, 1)]))
-    end, clip_end = final_mean(entropy), final_mean(clip)
-    if start <= 0 or not math.isfinite(start):
-        return
-    if end / start <= p["entropy_ratio"] and clip_end >= p["clip_frac_min"]:
+    state = _low_entropy_high_clip(ctx)
+    if state is not None:
+        start, end, clip_end, last_step = state
         yield ctx.finding(
-            f"Entropy is down to {pct(end / start)} of its start ({end:.3g} nats) while "
+            f"Entropy is {end:.3g} nats at the end ({pct(end / start)} of its start) while "
             f"{pct(clip_end)} of tokens are clipped: updates are fighting a collapsed policy.",
             entropy_start=start,
             entropy_end=end,
             clip_frac_end=clip_end,
-            steps=[int(entropy.steps[-1])],
+            steps=[last_step],
+        )
+
+
+def _low_entropy_high_clip(ctx: RuleContext) -> tuple[float, float, float, int] | None:
+    """(initial entropy, final entropy, final clip fraction, last step) when entropy is low and
+    the clip fraction high by entropy-clip-conflict's thresholds (its defaults when the calling
+    rule has none), else None."""
+    entropy, clip = ctx.series("behavior.entropy"), ctx.series("stability.clip_frac")
+    defaults = {k: v.default for k, v in entropy_clip_conflict_rule().params.items()}
+    p = {**defaults, **{k: v for k, v in ctx.params.items() if k in defaults}}
+    if entropy is None or clip is None or min(len(entropy), len(clip)) < p["min_steps"]:
+        return None
+    start = float(np.mean(entropy.values[: window_size(len(entropy), 0.05, 1)]))
+    end, clip_end = final_mean(entropy), final_mean(clip)
+    if start <= 0 or not math.isfinite(start):
+        return None
+    low = end <= p["entropy_max"] or end / start <= p["entropy_ratio"]
+    if low and clip_end >= p["clip_frac_min"]:
+        return start, end, clip_end, int(entropy.steps[-1])
+    return None
+
+
+def entropy_clip_conflict_rule() -> Rule:
+    return RULES["entropy-clip-conflict"]
+
+
+@rule(
+    "clip-too-high",
+    layer="L1",
+    title="Clip fraction too high: updates too aggressive",
+    doc="Final-window PPO clip fraction at least `warn_at` (critical at `critical_at`). The "
+    "seed's clip-fraction table (§2): too high = updates too aggressive, cut off en masse. With "
+    "ε = 0.2 a token is clipped only when one update moved its probability ratio past 1 ± ε "
+    "in the advantage's direction; healthy LLM RL clips well under 2% of tokens (verl "
+    "pg_clipfrac, TRL clip_ratio/region_mean), so a sixth of all tokens means the policy moves "
+    "far within one batch (learning rate, too many mini-batches or epochs per batch, stale "
+    "rollouts in async training) and most of the batch's gradient is discarded. A share over "
+    "thousands of tokens a step has negligible sampling error at any batch size. When entropy "
+    "is also low, entropy-clip-conflict (critical) says it and this stays silent.",
+    remedy="lower the learning rate; fewer PPO epochs or mini-batches per batch; check for "
+    "stale (off-policy) rollouts; check that old_logprob is the behaviour policy's.",
+    metrics=("stability.clip_frac",),
+    params={
+        "warn_at": Param(0.15, "final-window clip fraction for a warning"),
+        "critical_at": Param(0.3, "final-window clip fraction for a critical finding"),
+        "min_steps": Param(3, "fewest steps to judge"),
+    },
+)
+def clip_too_high(ctx: RuleContext) -> Iterator[Finding]:
+    clip = ctx.series("stability.clip_frac")
+    if clip is None or len(clip) < ctx.params["min_steps"]:
+        return
+    level = final_mean(clip)
+    severity = level_severity(level, ctx.params, final_se(clip))
+    if severity is None or _low_entropy_high_clip(ctx) is not None:
+        return
+    yield ctx.finding(
+        f"{pct(level)} of tokens are clipped over the last steps: each update moves the policy "
+        "far past the trust region.",
+        severity=severity,
+        clip_frac_end=level,
+        steps=[final_steps(clip, 0.1), int(clip.steps[-1])],
+    )
+
+
+@rule(
+    "clip-too-low",
+    layer="L1",
+    title="Clip fraction ~0 in an off-policy run that is not learning",
+    doc="The run updates off-policy (the policy that is updated differs from the one that "
+    "sampled: PPO KL non-zero, or some step clipped tokens), yet its final-window clip fraction "
+    "is below `clip_max` and neither pass@1 nor the reward rose significantly (z < `z`) between "
+    "the first and last fifth. The seed's clip-fraction table (§2): too low = updates too "
+    "small, learning slow. Mechanism: with several updates per batch a working optimiser moves "
+    "some ratios past 1 ± ε; none moving, with no progress, means the steps are too small "
+    "(learning rate, gradient clipping, advantages ~0). A single on-policy update per batch "
+    "(TRL's default num_iterations = 1, verl with one mini-batch and one epoch) has ratio ≡ 1 "
+    "and clip fraction exactly 0 by construction: the rule needs positive evidence of "
+    "off-policy updates and stays silent without it. Progress is judged with the windows' "
+    "step-to-step scatter, so it holds at any batch size.",
+    remedy="raise the learning rate (check warm-up and the schedule); check gradient clipping "
+    "and that advantages are not ~0 (signal.zero_std_frac); check that gradients reach the "
+    "policy.",
+    metrics=("stability.clip_frac", "stability.ppo_kl", "signal.pass_at_1", "signal.reward"),
+    params={
+        "clip_max": Param(1e-4, "final-window clip fraction below this is ~0"),
+        "ppo_kl_min": Param(1e-6, "mean |PPO KL| above this shows off-policy updates"),
+        "z": Param(2.0, "a rise with z-score above this is progress"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+)
+def clip_too_low(ctx: RuleContext) -> Iterator[Finding]:
+    clip = ctx.series("stability.clip_frac")
+    p = ctx.params
+    if clip is None or len(clip) < p["min_steps"]:
+        return
+    ppo_kl = ctx.series("stability.ppo_kl")
+    drift = float(np.mean(np.abs(ppo_kl.values))) if ppo_kl is not None and len(ppo_kl) else 0.0
+    off_policy = drift > p["ppo_kl_min"] or bool(np.any(clip.values > 0))
+    level = final_mean(clip)
+    if not off_policy or level >= p["clip_max"]:
+        return
+    progress = ctx.series("signal.pass_at_1") or ctx.series("signal.reward")
+    if progress is None or len(progress) < p["min_steps"]:
+        return
+    trend = compare_windows(progress)
+    if trend.rising(p["z"]):
+        return
+    yield ctx.finding(
+        f"Only {level:.2g} of tokens are clipped over the last steps although the updates are "
+        f"off-policy (mean |PPO KL| {drift:.2g}), and progress moved {trend.delta:+.3g} "
+        f"(z = {trend.z:.1f}): the updates are too small to learn.",
+        clip_frac_end=level,
+        ppo_kl_mean_abs=drift,
+        progress=[trend.first, trend.last],
+        steps=[trend.first_steps[0], trend.last_steps[1]],
+    )
+
+
+@rule(
+    "divergence",
+    layer="L1",
+    title="Loss or gradient norm became NaN or infinite",
+    doc="At least one step logged a non-finite loss or gradient norm (stability.nonfinite). A "
+    "NaN gradient norm means the update itself was NaN, or was skipped by a loss scaler: "
+    "either way optimisation broke at that step, and parameters written after a NaN update "
+    "are garbage. There is no threshold to calibrate: one such step is one too many, at any "
+    "run length or batch size. The finding names the steps.",
+    remedy="inspect the rollouts of the first listed step (extreme rewards, empty responses, "
+    "log-prob overflow); lower the learning rate; check mixed precision (bf16 logits, loss "
+    "scaling) and gradient clipping; resume from the last checkpoint before the step.",
+    metrics=("stability.nonfinite",),
+    severity="critical",
+)
+def divergence(ctx: RuleContext) -> Iterator[Finding]:
+    frame = ctx.frame("stability.nonfinite")
+    if frame is None or frame.height == 0:
+        return
+    bad = frame.filter(pl.col("value") > 0).sort("step")
+    if bad.height == 0:
+        return
+    steps = [int(s) for s in bad["step"].to_list()]
+    which = [c.removeprefix("extra_") for c in bad.columns if c.startswith("extra_")]
+    shown = ", ".join(map(str, steps[:10])) + (", …" if len(steps) > 10 else "")
+    yield ctx.finding(
+        f"{len(steps)} step(s) logged a NaN or infinite {' or '.join(which) or 'value'}: "
+        f"step {shown}. Optimisation broke there.",
+        steps=steps,
+        nonfinite_steps=steps,
+    )
+
+
+@rule(
+    "performance-regression",
+    layer="L1",
+    title="The policy got worse at its task",
+    doc="pass@1 (or, without correctness, the mean reward) fell between the first and last "
+    "tenth of the run by at least `min_fall` (pass@1, absolute) and significantly (z <= "
+    "-`z`, against each window's step-to-step scatter, so at any batch size). RL on a reward "
+    "should not make the policy worse at that reward: a sustained fall means the updates are "
+    "destructive (learning rate too high, KL too loose, a reward or advantage bug) — the seed's "
+    "L1 question 'is the optimisation working' answered no. Short windows (a tenth) so a "
+    "collapse in the first steps is not averaged away.",
+    remedy="lower the learning rate; raise the KL coefficient; check the reward function and "
+    "the advantage sign on a few rollouts; resume from a checkpoint before the fall.",
+    metrics=("signal.pass_at_1", "signal.reward"),
+    params={
+        "min_fall": Param(0.03, "pass@1 fall (absolute) that counts"),
+        "z": Param(3.0, "z-score of the fall"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+    severity="critical",
+)
+def performance_regression(ctx: RuleContext) -> Iterator[Finding]:
+    p = ctx.params
+    accuracy = ctx.series("signal.pass_at_1")
+    measure, name = (
+        (accuracy, "pass@1")
+        if accuracy is not None
+        else (
+            ctx.series("signal.reward"),
+            "mean reward",
+        )
+    )
+    if measure is None or len(measure) < p["min_steps"]:
+        return
+    trend = compare_windows(measure, fraction=0.1)
+    big = trend.delta <= -p["min_fall"] if name == "pass@1" else True
+    if big and trend.falling(p["z"]):
+        yield ctx.finding(
+            f"{name} fell {trend.first:.3g} → {trend.last:.3g} (z = {trend.z:.1f}) between steps "
+            f"{trend.first_steps[0]}–{trend.first_steps[1]} and "
+            f"{trend.last_steps[0]}–{trend.last_steps[1]}.",
+            first=trend.first,
+            last=trend.last,
+            measure=name,
+            steps=[trend.first_steps[0], trend.last_steps[1]],
         )
 
 
@@ -242,7 +488,10 @@ LOGGED_METRICS = (
     "`min_share` of the aligned steps (and at least `min_steps`) disagree. Trainers have shipped "
     "wrong metrics (verl entropy with dynamic batch size before 0.4.1, a clip_ratio on one TRL "
     "version), and micro-batch averaging with equal weights instead of per token shifts them a "
-    "little: the tolerance absorbs the latter.",
+    "little: the tolerance absorbs the latter. Only like is compared with like: a logged "
+    "token-based length or clip ratio is never compared with word counts (importers rename "
+    "such columns), and a batch-level TRL frac_reward_zero_std (scale_rewards='batch') is not "
+    "compared with the group share. A share of steps, so it holds at any run length.",
     remedy="check which side is right: rlscope's doc (`rlscope explain ID`) states its formula; "
     "compare with the trainer version's code; check that the logged tokens and rollouts are the "
     "full batch (not a sample) and that the step numbering matches.",

@@ -1,0 +1,440 @@
+"""Rules judged on hand-made series: each failure class of the verdicts issue, both ways."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from rlscope.analysis import analyze
+from rlscope.errors import RlscopeError
+from rlscope.reader import open_run
+from rlscope.registry import RULES, load_all
+from rlscope.report import Finding, MetricResult, Report, RunInfo
+from rlscope.rules.base import RuleContext
+
+load_all()
+RNG = np.random.default_rng(0)
+
+
+def result(metric_id: str, values: Sequence[float], steps: Sequence[int] | None = None):
+    steps = list(steps) if steps is not None else list(range(1, len(values) + 1))
+    return MetricResult(metric_id, "L0", metric_id, float(values[-1]), tuple(steps), tuple(values))
+
+
+def judge(
+    rule_id: str,
+    series: Mapping[str, Sequence[float]],
+    frames: Mapping[str, pl.DataFrame] | None = None,
+    run: object = None,
+) -> list[Finding]:
+    """The rule's findings on these per-step series (steps 1..n), with default params."""
+    rule = RULES[rule_id]
+    results = {m: result(m, v) for m, v in series.items()}
+    frames = dict(frames or {})
+    for m, r in results.items():
+        frames.setdefault(m, pl.DataFrame({"step": list(r.steps), "value": list(r.values)}))
+    params = {k: p.default for k, p in rule.params.items()}
+    ctx = RuleContext(rule, params, None, results, frames, run)  # type: ignore[arg-type]
+    return list(rule.check(ctx))
+
+
+def ids(findings: Iterable[Finding]) -> list[str]:
+    return [f.id for f in findings]
+
+
+def noisy(start: float, end: float, n: int, sd: float, shape: str = "linear") -> np.ndarray:
+    t = np.linspace(0, 1, n)
+    base = start + (end - start) * (t if shape == "linear" else np.clip((t - 0.6) / 0.1, 0, 1))
+    return base + RNG.normal(0, sd, n)
+
+
+# --- class 2: entropy that collapses late is collapse ------------------------------------------
+
+
+def test_late_entropy_cliff_is_collapse() -> None:
+    entropy = noisy(0.70, 0.05, 100, 0.01, shape="cliff").clip(0.01)
+    found = judge("entropy-collapse", {"behavior.entropy": entropy})
+    assert ids(found) == ["entropy-collapse"]
+    assert "late in the run" in found[0].message
+    assert found[0].evidence["steps"][0] >= 40
+
+
+def test_early_entropy_cliff_says_early() -> None:
+    entropy = np.concatenate([np.linspace(0.8, 0.1, 10), np.full(90, 0.1)]) + RNG.normal(
+        0, 0.005, 100
+    )
+    found = judge("entropy-collapse", {"behavior.entropy": entropy})
+    assert ids(found) == ["entropy-collapse"] and "early" in found[0].message
+
+
+@pytest.mark.parametrize("end", [0.6, 0.4])
+def test_smooth_moderate_entropy_decline_is_silent(end: float) -> None:
+    # 0.65 -> 0.375 is the real TRL healthy run's decline (42%); 0.65 -> 0.4 smooth too.
+    entropy = noisy(0.65, end, 200, 0.02)
+    assert judge("entropy-collapse", {"behavior.entropy": entropy}) == []
+
+
+def test_smooth_decline_to_a_floor_is_collapse() -> None:
+    entropy = 0.8 * np.exp(-np.linspace(0, 3, 200)) + 0.01
+    assert ids(judge("entropy-collapse", {"behavior.entropy": entropy})) == ["entropy-collapse"]
+
+
+# --- class 3 and 4: clip fraction levels ---------------------------------------------------------
+
+
+def test_low_entropy_with_heavy_clipping_from_the_start() -> None:
+    series = {
+        "behavior.entropy": noisy(0.35, 0.13, 60, 0.01),
+        "stability.clip_frac": noisy(0.32, 0.32, 60, 0.01),
+    }
+    assert ids(judge("entropy-clip-conflict", series)) == ["entropy-clip-conflict"]
+    # The conflict says it; clip-too-high does not repeat it.
+    assert judge("clip-too-high", series) == []
+
+
+def test_low_entropy_with_realistic_clipping_is_silent() -> None:
+    series = {
+        "behavior.entropy": noisy(0.5, 0.3, 60, 0.01),
+        "stability.clip_frac": noisy(0.01, 0.015, 60, 0.002),
+    }
+    assert judge("entropy-clip-conflict", series) == []
+    assert judge("clip-too-high", series) == []
+
+
+def test_clip_too_high_with_normal_entropy() -> None:
+    series = {
+        "behavior.entropy": noisy(0.9, 0.8, 60, 0.01),
+        "stability.clip_frac": noisy(0.3, 0.33, 60, 0.01),
+    }
+    found = judge("clip-too-high", series)
+    assert ids(found) == ["clip-too-high"] and found[0].severity == "critical"
+
+
+def test_clip_too_low_needs_off_policy_updates_and_no_progress() -> None:
+    flat = noisy(0.4, 0.4, 60, 0.02)
+    off_policy = {
+        "stability.clip_frac": np.full(60, 1e-5),
+        "stability.ppo_kl": np.full(60, 2e-4),
+        "signal.pass_at_1": flat,
+    }
+    assert ids(judge("clip-too-low", off_policy)) == ["clip-too-low"]
+    # On-policy (TRL num_iterations=1): clip fraction exactly 0 and no PPO drift.
+    on_policy = {**off_policy, "stability.clip_frac": np.zeros(60), "stability.ppo_kl": None}
+    on_policy = {k: v for k, v in on_policy.items() if v is not None}
+    assert judge("clip-too-low", on_policy) == []
+    # Off-policy with tiny clipping but learning: not too low.
+    learning = {**off_policy, "signal.pass_at_1": noisy(0.3, 0.6, 60, 0.02)}
+    assert judge("clip-too-low", learning) == []
+
+
+# --- class 5: reward up, task not ---------------------------------------------------------------
+
+
+def test_reward_up_through_format_while_accuracy_falls() -> None:
+    n = 150
+    accuracy = noisy(0.175, 0.146, n, 0.03)
+    fmt = noisy(0.35, 0.46, n, 0.03)
+    series = {
+        "signal.reward": accuracy + fmt,
+        "signal.pass_at_1": accuracy,
+        "signal.pass_at_k": noisy(0.83, 0.68, n, 0.05),
+        "signal.reward.accuracy_reward": accuracy,
+        "signal.reward.format_reward": fmt,
+    }
+    found = judge("reward-hacking", series)
+    assert ids(found) == ["reward-hacking"]
+    assert found[0].evidence["driver"] == "format_reward"
+    assert "`format_reward`" in found[0].message
+    assert found[0].severity == "critical"  # pass@k fell significantly
+
+
+def test_reward_up_with_accuracy_up_is_silent() -> None:
+    # The format-weighted negative control: lopsided weights but accuracy is learned.
+    accuracy = noisy(0.52, 0.90, 200, 0.05)
+    series = {
+        "signal.reward": 0.125 * accuracy + noisy(0.87, 0.99, 200, 0.03),
+        "signal.pass_at_1": accuracy,
+    }
+    assert judge("reward-hacking", series) == []
+
+
+def test_small_batch_rise_that_is_not_significant_is_not_flat() -> None:
+    # 4 prompts x 4 rollouts: pass@1 rises +0.10 but the windows are too noisy to show it.
+    accuracy = noisy(0.40, 0.50, 40, 0.2).clip(0, 1)
+    series = {"signal.reward": noisy(0.4, 0.9, 40, 0.05), "signal.pass_at_1": accuracy}
+    assert judge("reward-hacking", series) == []
+    length = {
+        "behavior.response_len": noisy(100, 200, 40, 3),
+        "signal.pass_at_1": accuracy,
+    }
+    corr = pl.DataFrame(
+        {"step": range(1, 41), "value": [0.0] * 40, "sxx": [1.0] * 40, "syy": [1.0] * 40}
+    ).with_columns(sxy=pl.lit(0.0), dof=pl.lit(12.0))
+    found = judge(
+        "spurious-length-growth",
+        {**length, "behavior.len_correct_corr": [0.0] * 40},
+        {"behavior.len_correct_corr": corr},
+    )
+    assert found == []
+
+
+# --- class 10: sampling error of small windows --------------------------------------------------
+
+
+def _zero_std_frame(values: Sequence[float], groups: int) -> pl.DataFrame:
+    return pl.DataFrame({"step": range(1, len(values) + 1), "value": values, "groups": groups})
+
+
+def test_dead_prompts_small_batch_noise_is_silent() -> None:
+    # 4 groups a step, a run averaging 33% zero-σ groups whose last steps read 56%.
+    values = list(RNG.binomial(4, 0.33, 80) / 4)
+    values[-8:] = [0.5, 0.75, 0.5, 0.5, 0.75, 0.5, 0.5, 0.5]
+    frame = _zero_std_frame(values, 4)
+    found = judge("dead-prompts", {"signal.zero_std_frac": values}, {"signal.zero_std_frac": frame})
+    assert found == []
+
+
+def test_dead_prompts_large_batch_fires_and_too_easy_is_info() -> None:
+    values = [0.85] * 80
+    frames = {"signal.zero_std_frac": _zero_std_frame(values, 256)}
+    hard = judge(
+        "dead-prompts",
+        {
+            "signal.zero_std_frac": values,
+            "signal.all_correct_frac": [0.05] * 80,
+            "signal.all_wrong_frac": [0.8] * 80,
+        },
+        frames,
+    )
+    assert [(f.id, f.severity) for f in hard] == [("dead-prompts", "critical")]
+    easy = judge(
+        "dead-prompts",
+        {
+            "signal.zero_std_frac": values,
+            "signal.all_correct_frac": [0.8] * 80,
+            "signal.all_wrong_frac": [0.05] * 80,
+        },
+        frames,
+    )
+    assert [(f.id, f.severity) for f in easy] == [("dead-prompts", "info")]
+
+
+# --- overthinking needs length growth; divergence; KL level -------------------------------------
+
+
+def _corr_frame(n: int, r: float, dof: float = 500.0) -> pl.DataFrame:
+    return pl.DataFrame(
+        {"step": range(1, n + 1), "value": [r] * n, "sxx": [1.0] * n, "syy": [1.0] * n}
+    ).with_columns(sxy=pl.lit(r), dof=pl.lit(dof))
+
+
+def test_wrong_answers_longer_without_growth_is_not_overthinking() -> None:
+    frames = {"behavior.len_correct_corr": _corr_frame(100, -0.2)}
+    shrinking = {"behavior.response_len": noisy(11.4, 10.5, 100, 0.2)}
+    assert (
+        judge("overthinking", {**shrinking, "behavior.len_correct_corr": [-0.2] * 100}, frames)
+        == []
+    )
+    growing = {"behavior.response_len": noisy(200, 400, 100, 5)}
+    found = judge("overthinking", {**growing, "behavior.len_correct_corr": [-0.2] * 100}, frames)
+    assert ids(found) == ["overthinking"]
+
+
+def test_divergence_names_the_nonfinite_steps() -> None:
+    frame = pl.DataFrame(
+        {
+            "step": [1, 2, 3, 4],
+            "value": [0.0, 0.0, 1.0, 0.0],
+            "extra_grad_norm": [0.0, 0.0, 1.0, 0.0],
+        }
+    )
+    found = judge(
+        "divergence", {"stability.nonfinite": [0, 0, 1, 0]}, {"stability.nonfinite": frame}
+    )
+    assert ids(found) == ["divergence"] and found[0].severity == "critical"
+    assert found[0].evidence["steps"] == [3] and "grad_norm" in found[0].message
+    assert judge("divergence", {"stability.nonfinite": [0.0] * 4}) == []
+
+
+def test_divergence_end_to_end_from_a_nan_grad_norm(write_run) -> None:
+    steps = [{"step": s, "loss": 0.1, "grad_norm": 0.5} for s in range(1, 21)]
+    steps[6]["grad_norm"] = float("nan")
+    rollouts = {
+        "rollout_id": list(range(40)),
+        "step": [1 + i // 2 for i in range(40)],
+        "prompt_id": ["p"] * 40,
+        "reward": [float(i % 2) for i in range(40)],
+        "response_len": [10] * 40,
+    }
+    report = analyze(
+        write_run({"steps": steps, "rollouts": rollouts}),
+        metrics=["stability.nonfinite", "stability.grad_norm"],
+    )
+    assert [(f.id, f.evidence["steps"]) for f in report.findings] == [("divergence", [7])]
+
+
+def test_kl_high_by_level() -> None:
+    assert ids(judge("kl-high", {"stability.kl": noisy(1.4, 1.3, 50, 0.2)})) == ["kl-high"]
+    assert judge("kl-high", {"stability.kl": noisy(0.007, 0.07, 200, 0.02)}) == []
+
+
+# --- class 7: `ok` only where a rule judged ---------------------------------------------------
+
+
+def _report(results: list[MetricResult], judged: tuple[str, ...]) -> Report:
+    info = RunInfo("p", "r", "GRPO", 1, 1, 1, 1, 1, 0, ("rollouts",))
+    return Report(info, {r.id: r for r in results}, (), (), judged=judged)
+
+
+def test_status_ok_only_where_judged_and_band_outside() -> None:
+    effective = MetricResult("signal.effective_prompt_frac", "L3", "t", 0.079, (1,), (0.079,))
+    effective = MetricResult(**{**effective.__dict__, "band": (0.5, 1.0)})
+    unjudged = MetricResult("signal.group_std", "L3", "t", 0.3, (1,), (0.3,))
+    judged = MetricResult("signal.reward", "L3", "t", 0.5, (1,), (0.5,))
+    report = _report([effective, unjudged, judged], ("signal.reward", effective.id))
+    assert report.status(effective) == ("outside healthy range", "outside")
+    assert report.status(unjudged) is None
+    assert report.status(judged) == ("ok", "ok")
+    assert report.to_dict()["metrics"]["signal.group_std"]["status"] is None
+
+
+def test_band_metrics_have_no_better_direction() -> None:
+    from rlscope.registry import METRICS
+
+    banded = [m for m in METRICS.values() if m.band is not None]
+    assert banded and all(m.better == "" for m in banded)
+    assert METRICS["signal.all_correct_frac"].better == ""
+
+
+# --- class 8: an empty selection is an input error ---------------------------------------------
+
+
+def test_empty_step_selection_is_an_error(write_run) -> None:
+    rollouts = {
+        "rollout_id": [0, 1],
+        "step": [1, 1],
+        "prompt_id": ["p", "p"],
+        "reward": [0.0, 1.0],
+        "response_len": [5, 6],
+    }
+    path = write_run({"rollouts": rollouts})
+    with pytest.raises(RlscopeError, match="no step in the selected range 1000:2000"):
+        analyze(path, steps=(1000, 2000))
+    assert open_run(path).meta["run_id"] == Path(path).name
+
+
+# --- the real fixtures' verdicts ---------------------------------------------------------------
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+
+
+def _verdict(tmp_path: Path, source: Path) -> list[tuple[str, str]]:
+    report = analyze(
+        source,
+        from_format="trl",
+        import_options={"correct_column": "accuracy_reward"},
+        cache_dir=tmp_path,
+    )
+    return sorted((f.id, f.severity) for f in report.findings)
+
+
+REAL_VERDICTS = {
+    "trl-real/healthy": [],
+    "trl-real/format-weighted-groupnorm": [],
+    "trl-real/too-hard": [("dead-prompts", "critical")],
+    "trl-real/lr-too-high": [
+        ("dead-prompts", "warn"),
+        ("grad-spike", "warn"),
+        ("kl-high", "critical"),
+    ],
+    "trl-tiny-grpo": [("reward-hacking", "warn")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_VERDICTS))
+def test_real_fixture_verdicts(tmp_path: Path, name: str) -> None:
+    source = FIXTURES / name
+    if not source.is_dir():
+        pytest.skip(f"{source} is absent (shared fixtures sit beside the checkout)")
+    assert _verdict(tmp_path, source) == REAL_VERDICTS[name]
+
+
+def test_performance_regression_both_ways() -> None:
+    falling = {"signal.pass_at_1": noisy(0.6, 0.3, 100, 0.03)}
+    found = judge("performance-regression", falling)
+    assert ids(found) == ["performance-regression"] and found[0].severity == "critical"
+    assert judge("performance-regression", {"signal.pass_at_1": noisy(0.3, 0.6, 100, 0.03)}) == []
+    # 4 prompts x 4 rollouts: a noisy window is no regression.
+    noise = {"signal.pass_at_1": RNG.binomial(16, 0.4, 60) / 16}
+    assert judge("performance-regression", noise) == []
+    # Without correctness, the mean reward.
+    assert ids(judge("performance-regression", {"signal.reward": noisy(1.0, 0.2, 80, 0.05)})) == [
+        "performance-regression"
+    ]
+
+
+def test_groups_of_one_rollout_say_so(write_run) -> None:
+    rollouts = {
+        "rollout_id": list(range(30)),
+        "step": [1 + i // 3 for i in range(30)],
+        "prompt_id": [f"p{i}" for i in range(30)],
+        "reward": [float(i % 2) for i in range(30)],
+        "response_len": [10] * 30,
+    }
+    report = analyze(write_run({"rollouts": rollouts}), metrics=["signal.zero_std_frac"])
+    (skip,) = [s for s in report.skipped if s.metric == "signal.zero_std_frac"]
+    assert "every train group has one rollout" in skip.reason
+
+
+def test_masked_tool_tokens_fall_back_to_the_text(write_run) -> None:
+    """Tool responses are loss-masked out of the tokens table, but the text has the tags."""
+    text = (
+        "<think>look it up</think><tool_call>{}</tool_call><tool_response>a b c d</tool_response>"
+    )
+    rollouts = {
+        "rollout_id": [0, 1],
+        "step": [1, 1],
+        "prompt_id": ["p", "p"],
+        "reward": [0.0, 1.0],
+        "response_len": [12, 12],
+        "response": [text + "<answer>1</answer>"] * 2,
+    }
+    tokens = {
+        "rollout_id": [0, 0, 1, 1],
+        "step": [1] * 4,
+        "pos": [0, 1, 0, 1],
+        "segment": ["think", "answer", "think", "answer"],
+    }
+    report = analyze(
+        write_run({"rollouts": rollouts, "tokens": tokens}),
+        metrics=["behavior.segment_len.tool_response", "behavior.segment_len.think"],
+    )
+    assert report.metrics["behavior.segment_len.tool_response"].value == 4.0
+    assert "words inside" in report.metrics["behavior.segment_len.tool_response"].source
+    assert report.metrics["behavior.segment_len.think"].value == 1.0  # tokens, as before
+    assert not [s for s in report.skipped if s.metric.startswith("behavior.segment_len")]
+
+
+def test_kl_stalled_ignores_an_identically_zero_kl() -> None:
+    flat = {"signal.pass_at_1": noisy(0.4, 0.4, 40, 0.02)}
+    assert judge("kl-stalled", {**flat, "stability.kl": [0.0] * 40}) == []
+    assert ids(judge("kl-stalled", {**flat, "stability.kl": [1e-5] * 40})) == ["kl-stalled"]
+
+
+def test_correctness_unknown_reason_reaches_the_skip(write_run) -> None:
+    rollouts = {
+        "rollout_id": [0, 1],
+        "step": [1, 1],
+        "prompt_id": ["p", "p"],
+        "reward": [0.0, 1.0],
+        "response_len": [5, 6],
+    }
+    why = "say which reward function means correct: `-o correct_column=…`"
+    path = write_run({"rollouts": rollouts}, correct_unknown=why)
+    report = analyze(path, metrics=["signal.pass_at_1"])
+    (skip,) = [s for s in report.skipped if s.metric == "signal.pass_at_1"]
+    assert "rollouts.correct" in skip.reason and why in skip.reason
