@@ -38,7 +38,8 @@ from rlscope.rules.base import (
     "and attainable reward is capped (R ≈ -a·e^H + b). A smooth, moderate decline is normal "
     "(seed §6: monotone decline is the norm); a cliff or a floor is collapse. The seed's "
     "contrast of a sharp drop in the first ~50 steps with a smooth decline is a detail of the "
-    "message: an early cliff almost always precedes saturated performance; a late cliff is "
+    "message: a cliff starting within `early_fraction` of the run is early, and almost always "
+    "precedes saturated performance; a late cliff is "
     "collapse too. Thresholds are shares of the run's own initial level and of its length, so "
     "they hold at any run length, vocabulary and batch size.",
     remedy="lower the learning rate; use clip-higher (DAPO), Clip-Cov/KL-Cov or an entropy "

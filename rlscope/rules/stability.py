@@ -335,7 +335,7 @@ def clip_too_high(ctx: RuleContext) -> Iterator[Finding]:
     layer="L1",
     title="Clip fraction ~0 in an off-policy run that is not learning",
     doc="The run updates off-policy (the policy that is updated differs from the one that "
-    "sampled: PPO KL non-zero, or some step clipped tokens), yet its final-window clip fraction "
+    "sampled: mean |PPO KL| above `ppo_kl_min`, or some step clipped tokens), yet its final-window clip fraction "
     "is below `clip_max` and neither pass@1 nor the reward rose significantly (z < `z`) between "
     "the first and last fifth. The seed's clip-fraction table (§2): too low = updates too "
     "small, learning slow. Mechanism: with several updates per batch a working optimiser moves "
