@@ -19,6 +19,11 @@ def cache_root(override: str | os.PathLike[str] | None = None) -> Path:
     return Path(base) / "rlscope"
 
 
+#: Bumped whenever an importer writes something different for the same source (a field read
+#: with another meaning, a new run.json field): cached imports of older revisions are not reused.
+IMPORT_REVISION = 2
+
+
 def import_cache_dir(
     format: str,
     source: str | os.PathLike[str],
@@ -27,9 +32,15 @@ def import_cache_dir(
     root: str | os.PathLike[str] | None = None,
 ) -> Path:
     """The run directory an `analyze --from FORMAT SOURCE` converts into: one per source path,
-    format and import options, so a different source or option never reuses a stale import."""
+    format, import options and importer revision, so a different source or option, or an
+    rlscope whose importers changed, never reuses a stale import."""
     key = json.dumps(
-        {"format": format, "source": str(Path(source).resolve()), "options": options},
+        {
+            "format": format,
+            "source": str(Path(source).resolve()),
+            "options": options,
+            "revision": IMPORT_REVISION,
+        },
         sort_keys=True,
         default=str,
     )

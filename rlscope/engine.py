@@ -83,8 +83,10 @@ def run_metrics(run: Run) -> dict[str, Metric]:
     """Every metric this run could have: the registered ones (family templates aside) and the
     members of each family for this run (e.g. `signal.reward.<name>` per reward function)."""
     load_all()
-    found = {m.id: m for m in METRICS.values() if not is_template(m)}
-    found.update((m.id, m) for m in family_members(run))
+    found: dict[str, Metric] = {}
+    for metric in METRICS.values():  # members take their template's place in the order
+        members = family_members(run, metric.id) if is_template(metric) else [metric]
+        found.update((m.id, m) for m in members)
     return found
 
 

@@ -181,10 +181,11 @@ def register_family(template: Metric, members: FamilyFn) -> Metric:
     return register_metric(template)
 
 
-def family_members(run: Any) -> list[Metric]:
-    """The family metrics this run has (e.g. one per reward function it logs)."""
+def family_members(run: Any, template_id: str) -> list[Metric]:
+    """The metrics of the family `template_id` (`signal.reward.*`) this run has (e.g. one per
+    reward function it logs)."""
     load_all()
-    return [m for members in FAMILIES.values() for m in members(run)]
+    return FAMILIES[template_id[:-1]](run)
 
 
 def is_template(metric: Metric) -> bool:

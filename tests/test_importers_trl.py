@@ -395,3 +395,13 @@ def test_reward_weights_inferred_from_log_history(tmp_path: Path) -> None:
     assert max(abs(ours[s] - logged[s]) for s in ours) < 1e-6
     assert any("reward_weights inferred" in n for n in report.notes)
     assert "format_reward x4" in report.run.meta["provenance"]["reward"]
+
+
+def test_an_importer_revision_never_reuses_an_older_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlscope import cache
+
+    before = cache.import_cache_dir("trl", tmp_path, {}, root=tmp_path)
+    monkeypatch.setattr(cache, "IMPORT_REVISION", cache.IMPORT_REVISION + 1)
+    assert cache.import_cache_dir("trl", tmp_path, {}, root=tmp_path) != before
