@@ -102,6 +102,7 @@ class Comparison:
                     "label": label,
                     "path": r.run.path,
                     "run_id": r.run.run_id,
+                    "provenance": r.run.provenance,
                     "steps": r.run.n_steps,
                     "first_step": r.run.first_step,
                     "last_step": r.run.last_step,

@@ -111,7 +111,12 @@ class CheckResult:
             "passed": not self.failed,
             "fail_on": self.fail_on,
             "gates_source": self.source,
-            "run": {"path": run.path, "run_id": run.run_id, "last_step": run.last_step},
+            "run": {
+                "path": run.path,
+                "run_id": run.run_id,
+                "last_step": run.last_step,
+                "provenance": run.provenance,
+            },
             "baseline": (
                 {
                     "path": self.baseline.run.path,

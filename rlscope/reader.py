@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlscope.errors import RlscopeError
+from rlscope.report import run_provenance
 from rlscope.schema import RUN_FIELDS, RUN_JSON, SCHEMA_VERSION, TABLES, Column, Table, type_name
 
 _INT_TYPES = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
@@ -40,19 +41,6 @@ _JSON_CHECKS = {
 INVALID_PREFIX = "__invalid__"
 #: A response longer than this (or negative) is a logging bug, not a length.
 MAX_RESPONSE_LEN = 10_000_000
-
-
-def run_provenance(meta: dict[str, Any]) -> dict[str, str]:
-    """run.json `provenance` ({topic: one sentence}, how the importer derived fields), with the
-    correctness rule (`correct_unknown`, else `correct_source`) under `correct` when it has
-    none; `correct` first."""
-    raw = meta.get("provenance")
-    out = {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
-    if "correct" not in out and meta.get("correct_unknown"):
-        out["correct"] = f"unknown: {meta['correct_unknown']}"
-    elif "correct" not in out and meta.get("correct_source"):
-        out["correct"] = f"correct = {meta['correct_source']}"
-    return {k: out[k] for k in sorted(out, key=lambda k: k != "correct")}
 
 
 def valid_rollout() -> pl.Expr:
@@ -303,18 +291,23 @@ def open_run(
     meta = _read_run_json(root)
     warnings: list[str] = []
     tables: dict[str, TableFiles] = {}
+    found = {name: _find_files(root, name, warnings) for name in TABLES}
     for name, spec in TABLES.items():
-        files = _find_files(root, name, warnings)
+        files = found[name]
         if files is None:
+            if name == "rollouts" and found["steps"] is not None:
+                continue  # a run whose trainer logged step metrics only
             if spec.required:
                 raise RlscopeError(
                     f"{root}: no `{name}` table (expected {name}.parquet or {name}/*.parquet)",
-                    hint="the rollouts table is required; see schemas/run-format-v1.json",
+                    hint="the rollouts table is required (or, for a run with step metrics "
+                    "only, a steps table); see schemas/run-format-v1.json",
                 )
             continue
         tables[name] = _validate_table(root, name, files, warnings)
     run = Run(root, meta, tables, (), steps)
-    warnings += _check_rollouts(run)
+    if "rollouts" in tables:
+        warnings += _check_rollouts(run)
     return replace(run, warnings=tuple(warnings))
 
 

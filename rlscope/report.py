@@ -22,6 +22,19 @@ def severity_rank(severity: str) -> int:
     return SEVERITIES.index(severity) if severity in SEVERITIES else len(SEVERITIES)
 
 
+def run_provenance(meta: dict[str, Any]) -> dict[str, str]:
+    """run.json `provenance` ({topic: one sentence}, how the importer derived fields), with the
+    correctness rule (`correct_unknown`, else `correct_source`) under `correct` when it has
+    none; `correct` first."""
+    raw = meta.get("provenance")
+    out = {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+    if "correct" not in out and meta.get("correct_unknown"):
+        out["correct"] = f"unknown: {meta['correct_unknown']}"
+    elif "correct" not in out and meta.get("correct_source"):
+        out["correct"] = f"correct = {meta['correct_source']}"
+    return {k: out[k] for k in sorted(out, key=lambda k: k != "correct")}
+
+
 @dataclass(frozen=True)
 class Logged:
     """The trainer's own logged value of a metric rlscope recomputed (steps-table column)."""
@@ -97,6 +110,11 @@ class RunInfo:
     token_files: int = 0
     token_files_read: int = 0
 
+    @property
+    def provenance(self) -> dict[str, str]:
+        """How the importer derived fields ({topic: one sentence}; run.json `provenance`)."""
+        return run_provenance(self.meta)
+
 
 @dataclass(frozen=True)
 class Report:
@@ -159,6 +177,7 @@ class Report:
                 "token_files": {"total": run.token_files, "read": run.token_files_read},
                 "tables": list(run.tables),
                 "meta": json_safe(run.meta),
+                "provenance": run.provenance,
             },
             "metrics": {
                 m.id: {

@@ -148,7 +148,8 @@ def import_trl(session: Session) -> None:
     (a deque of one generation batch), so they differ. reward_weights other than 1 are solved
     from log_history (`reward` = Σ w · `rewards/<name>/mean` at every step, exact to 1e-6:
     used, with a note; GRPOConfig.reward_weights [0.125, 4.0] recovered exactly on the
-    format-weighted fixture), or passed as `reward_weights`. On the shipped TRL 1.16 fixture (150 steps, 8 generations):
+    format-weighted fixture), or passed as `reward_weights`. On the shipped TRL 1.16 fixture
+    (150 steps, 8 generations):
     max abs difference 0 for both; grouping by prompt text instead of blocks would be off by
     up to 0.25 in frac_reward_zero_std (11 prompts drawn twice in a step). response_len
     (words) is ~82% of completions/mean_length there (max abs difference 5.7 tokens): EOS

@@ -20,9 +20,8 @@ from typing import Any
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.plots import PlotData, plot_data
-from rlscope.reader import run_provenance
 from rlscope.render.sanitize import safe_text
-from rlscope.report import LAYERS, Finding, MetricResult, Report
+from rlscope.report import LAYERS, Finding, MetricResult, Report, run_provenance
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 SEVERITY_COLORS = {"critical": "#c62828", "warn": "#ef6c00", "info": "#0277bd"}

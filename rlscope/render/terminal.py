@@ -16,9 +16,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rlscope.reader import run_provenance
 from rlscope.render.sanitize import safe_text
-from rlscope.report import LAYERS, MetricResult, Report, RunInfo
+from rlscope.report import LAYERS, MetricResult, Report, RunInfo, run_provenance
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 24
