@@ -341,6 +341,7 @@ def show(
     try:
         if format not in ("text", "json"):
             raise RlscopeError(f"--format {format!r}: choose text or json")
+        _require_rollouts(run)
         view = rollout(run, rollout_id, tags=load_config(config).text.tags)
     except RlscopeError as exc:
         _fail(exc)
@@ -348,6 +349,13 @@ def show(
         sys.stdout.write(render_rollout_json(view) + "\n")
     else:
         render_rollout(view, _stdout())
+
+
+def _require_rollouts(path: Path) -> None:
+    """A clear error for a run with step metrics only (no rollouts table)."""
+    from rlscope.reader import open_run
+
+    open_run(path).require("rollouts")
 
 
 @app.command("rollouts")
@@ -396,6 +404,7 @@ def rollouts_command(
         if format not in ("text", "json"):
             raise RlscopeError(f"--format {format!r}: choose text or json")
         settings = load_config(config)
+        _require_rollouts(run)
         with _progress(f"listing rollouts of {run}"):
             listing = rollouts(run, finding=finding, where=where, limit=limit, config=settings)
     except RlscopeError as exc:

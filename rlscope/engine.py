@@ -30,6 +30,8 @@ GROUP_KEYS = ("split", "step", "prompt_id")
 ROLLOUT_KEYS = (*GROUP_KEYS, "rollout_id")
 PROBE_KEYS = ("rollout_id", "step", "split", "intervention", "fraction")
 FINAL_WINDOW_FRACTION = 0.1
+#: Why a metric is skipped in a run with a steps table and no rollouts table.
+STEPS_ONLY = "no rollouts table: the trainer logged step metrics only"
 #: Rows per streaming morsel of the per-rollout text query (Polars' default is ~100k rows:
 #: with long responses and their word lists, that is what sets the peak memory).
 TEXT_MORSEL_ROWS = 10_000
@@ -69,7 +71,9 @@ def choose_variant(metric: Metric, run: Run, first: int = 0) -> Variant | str:
         missing_meta = [m for m in variant.needs_meta if run.meta.get(m) is None]
         if not missing and not missing_meta:
             return variant
-        if variant.table not in run.tables:
+        if variant.table not in run.tables and "rollouts" not in run.tables:
+            reasons.append(STEPS_ONLY)
+        elif variant.table not in run.tables:
             reasons.append(f"no {variant.table} table")
         else:
             parts = [f"{t}.{c}" for t, c in missing]

@@ -64,6 +64,8 @@ def plot_data(
 ) -> PlotData:
     """Scan the run's train rollouts (streaming) into the report's extra plot data."""
     run = open_run(path, steps=steps)
+    if "rollouts" not in run.tables:  # step metrics only: no rollout plots
+        return PlotData(None, None, None)
     rollouts = run.scan("rollouts").filter(valid_rollout() & (pl.col("split") == "train"))
     groups_query = rollouts.group_by("step", "prompt_id").agg(
         pl.len().cast(pl.Int64).alias("n"),

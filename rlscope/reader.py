@@ -143,6 +143,11 @@ class Run:
 
         With `invalid_flags`, also a boolean `__invalid__<c>` per float column `c` (NaN/±inf in
         the file); projection pushdown drops the ones a query does not use."""
+        if table == "rollouts" and self.steps_only:
+            # No rollout to read: an empty table (e.g. for a rule naming a step's rollouts).
+            spec = TABLES[table]
+            return pl.LazyFrame(schema={c.name: _canonical(c, ()) for c in spec.columns})
+        self.require(table)
         files = self.tables[table]
         frames = []
         for (signature, hive), paths in _group_by_signature(files).items():
@@ -161,6 +166,22 @@ class Run:
             for column, (_, expr) in self._derivable(table).items()
         ]
         return lf.with_columns(fills) if fills else lf
+
+    @property
+    def steps_only(self) -> bool:
+        """A run whose trainer logged step metrics only: a steps table, no rollouts table."""
+        return "rollouts" not in self.tables and "steps" in self.tables
+
+    def require(self, table: str) -> None:
+        """Raise a clear error when the run has no `table` (for commands that need it)."""
+        if table in self.tables:
+            return
+        raise RlscopeError(
+            f"{self.path}: no {table} table"
+            + (": the trainer logged step metrics only" if self.steps_only else ""),
+            hint=f"this command needs the {table} table ({table}.parquet or {table}/*.parquet); "
+            "`rlscope analyze` reads what the run has",
+        )
 
     def row_count(self, table: str) -> int:
         """Rows in the table within the step range (file metadata when no range is set)."""

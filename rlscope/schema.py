@@ -62,12 +62,28 @@ TABLES: dict[str, Table] = {
                 _c("kl", _F64, False, "KL to the reference policy, as logged"),
                 _c("clip_frac", _F64, False, "PPO clip fraction, as logged"),
                 _c("entropy", _F64, False, "mean token entropy, as logged"),
+                _c(
+                    "response_len",
+                    _F64,
+                    False,
+                    "mean response length in tokens, as logged (e.g. verl response_length/mean)",
+                ),
+                _c(
+                    "truncation_rate",
+                    _F64,
+                    False,
+                    "share of responses that hit the length cap, as logged (e.g. verl "
+                    "response_length/clip_ratio)",
+                ),
+                _c("reward", _F64, False, "mean sequence reward, as logged"),
             ),
         ),
         Table(
             "rollouts",
             True,
-            "One row per generated response (sequence).",
+            "One row per generated response (sequence). Required, except in a run whose "
+            "trainer logged step metrics only: a steps table and no rollouts table (rlscope "
+            "then computes what the steps table holds and skips the rest, saying why).",
             (
                 _c("rollout_id", _I64, True, "unique in the run"),
                 _c("step", _I64, True, "policy step that generated it (eval: checkpoint step)"),

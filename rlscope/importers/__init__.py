@@ -17,10 +17,11 @@ from rlscope.importers._base import (
     check_paths,
 )
 from rlscope.importers.jsonl import JSONL
+from rlscope.importers.tensorboard import TENSORBOARD
 from rlscope.importers.trl import TRL
 from rlscope.importers.verl import VERL, VERL_METRICS
 
-IMPORTERS: dict[str, Importer] = {i.name: i for i in (VERL, VERL_METRICS, TRL, JSONL)}
+IMPORTERS: dict[str, Importer] = {i.name: i for i in (VERL, VERL_METRICS, TRL, JSONL, TENSORBOARD)}
 
 __all__ = ["IMPORTERS", "MANIFEST", "ImportResult", "Importer", "Option", "import_run"]
 

@@ -18,7 +18,9 @@ from rlscope.schema import TABLES
 #: Columns importers add beside the format-v1 ones.
 OWN_EXTRAS = ("prompt", "n_env_steps")
 RESERVED_ROLLOUTS = frozenset(c.name for c in TABLES["rollouts"].columns) | set(OWN_EXTRAS)
-RESERVED_STEPS = frozenset(c.name for c in TABLES["steps"].columns)
+#: `reward` is left out: trainers that log it unmapped (TRL's log_history) mean the mean
+#: sequence reward, which is the steps column's meaning.
+RESERVED_STEPS = frozenset(c.name for c in TABLES["steps"].columns) - {"reward"}
 
 
 def correct_from_reward(reward: pl.Expr, threshold: float | None) -> pl.Expr:

@@ -166,14 +166,21 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.response_len",
-        logged_as=("response_length/mean", "completions/mean_length"),
+        logged_as=("response_length/mean", "completions/mean_length", "response_len"),
         layer="L2",
         title="Mean response length",
         doc="Mean generated tokens per train rollout. Rising length is the R1/o1 signature, but "
         "on its own it says nothing: read it with the correct/incorrect split and the "
         "within-prompt length-correctness correlation.",
         healthy="any level; growth should come with accuracy (see behavior.len_correct_corr)",
-        variants=(ratio_variant("rollouts", ("response_len",), LEN_SUM, N),),
+        variants=(
+            ratio_variant("rollouts", ("response_len",), LEN_SUM, N),
+            # Runs with step metrics only: the trainer's own figure (tokens), as logged.
+            step_column("response_len", source="steps.response_len as logged (tokens)"),
+            step_column(
+                "response_length/mean", source="steps.response_length/mean as logged (verl)"
+            ),
+        ),
     )
 )
 
@@ -233,7 +240,7 @@ register_metric(
         id="behavior.truncation_rate",
         band=(0.0, 0.05),
         unit="share",
-        logged_as=("response_length/clip_ratio", "completions/clipped_ratio"),
+        logged_as=("response_length/clip_ratio", "completions/clipped_ratio", "truncation_rate"),
         layer="L2",
         title="Truncation rate",
         doc="Share of train rollouts that hit the generation length cap (`truncated`, or "
@@ -247,6 +254,16 @@ register_metric(
                 ("truncated",),
                 ("trunc_n", pl.col("truncated").cast(pl.Int64).sum()),
                 N,
+            ),
+            # The trainer's own share, as logged (without rollouts, or without a cap to test).
+            step_column("truncation_rate", source="steps.truncation_rate as logged"),
+            step_column(
+                "response_length/clip_ratio",
+                source="steps.response_length/clip_ratio as logged (verl)",
+            ),
+            step_column(
+                "completions/clipped_ratio",
+                source="steps.completions/clipped_ratio as logged (TRL)",
             ),
         ),
     )

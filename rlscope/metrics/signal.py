@@ -7,7 +7,7 @@ from math import comb
 import polars as pl
 
 from rlscope.engine import Context
-from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, train
+from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, train
 from rlscope.metrics.behavior import N_CORRECT, N
 from rlscope.reader import Run
 from rlscope.registry import Metric, register_family, register_metric
@@ -36,7 +36,12 @@ register_metric(
         "keeps rising while the policy mode-collapses (compare signal.pass_at_k).",
         healthy="rising, then plateauing",
         better="up",
-        variants=(ratio_variant("rollouts", ("reward",), R_SUM, N),),
+        variants=(
+            ratio_variant("rollouts", ("reward",), R_SUM, N),
+            # Runs with step metrics only: the trainer's mean reward, as logged.
+            step_column("reward", source="steps.reward as logged (mean sequence reward)"),
+            step_column("critic/score/mean", source="steps.critic/score/mean as logged (verl)"),
+        ),
     )
 )
 
@@ -63,9 +68,7 @@ def reward_components(run: Run) -> list[str]:
     numeric = [c for c, t in schema.items() if t.is_numeric() and c != "reward"]
     listed = [c for c in run.meta.get("reward_components") or () if c in numeric]
     prefixed = [
-        c
-        for c in numeric
-        if c.startswith(REWARD_COLUMN_PREFIX) or c.endswith(REWARD_COLUMN_SUFFIX)
+        c for c in numeric if c.startswith(REWARD_COLUMN_PREFIX) or c.endswith(REWARD_COLUMN_SUFFIX)
     ]
     return list(dict.fromkeys(listed + prefixed))
 

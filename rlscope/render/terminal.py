@@ -74,9 +74,15 @@ def _header(report: Report) -> Panel:
         (
             "rollouts",
             f"{run.n_rollouts - run.n_eval_rollouts:,} train in {run.n_groups:,} groups"
-            + (f", {run.n_eval_rollouts:,} eval" if run.n_eval_rollouts else ""),
+            + (f", {run.n_eval_rollouts:,} eval" if run.n_eval_rollouts else "")
+            if "rollouts" in run.tables
+            else "none: the trainer logged step metrics only",
         ),
-        ("tokens", f"{run.n_tokens:,}" + _token_files(run)),
+        *(
+            [("tokens", f"{run.n_tokens:,}" + _token_files(run))]
+            if "rollouts" in run.tables or "tokens" in run.tables
+            else []
+        ),
         ("tables", ", ".join(run.tables)),
         *provenance_rows(run.meta),
     ):

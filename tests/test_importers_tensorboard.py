@@ -1,0 +1,229 @@
+"""`rlscope import tensorboard`: real event files written in the test, read back as steps."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from rlscope.cli import app
+from rlscope.errors import RlscopeError
+from rlscope.importers import IMPORTERS, import_run
+from rlscope.reader import open_run
+
+pytest.importorskip("tensorboard")
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.util import tensor_util
+
+runner = CliRunner()
+
+
+def write_events(folder: Path, rows: dict[int, dict[str, float]], *, tensors: bool = False):
+    """One event file in `folder`: per step, one scalar summary per tag (as `simple_value`
+    like torch/tensorboardX, or as a scalar tensor like TF2 / tensorboard.summary)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    writer = EventFileWriter(str(folder))
+    for step, values in rows.items():
+        summary = summary_pb2.Summary()
+        for tag, value in values.items():
+            if tensors:
+                item = summary.value.add(tag=tag, tensor=tensor_util.make_tensor_proto(value))
+                item.metadata.plugin_data.plugin_name = "scalars"
+            else:
+                summary.value.add(tag=tag, simple_value=value)
+        writer.add_event(event_pb2.Event(step=step, wall_time=1000.0 + step, summary=summary))
+    writer.close()
+    return folder
+
+
+def steps_of(out: Path) -> pl.DataFrame:
+    run = open_run(out)
+    assert "rollouts" not in run.tables
+    return run.scan("steps").collect().sort("step")
+
+
+def _verl_rows(n: int = 12, kl_loss: float = 0.0) -> dict[int, dict[str, float]]:
+    return {
+        s: {
+            "actor/pg_loss": 0.01 * s,
+            "actor/grad_norm": 1.0 + s,
+            "actor/lr": 1e-6,
+            "actor/pg_clipfrac": 0.002,
+            "actor/entropy": 1.5 - 0.05 * s,
+            "actor/kl_loss": kl_loss,
+            "actor/ppo_kl": 0.0001,
+            "critic/score/mean": 0.1 * s,
+            "response_length/mean": 100.0 + s,
+            "response_length/clip_ratio": 0.25,
+        }
+        for s in range(1, n + 1)
+    }
+
+
+def test_verl_tags_round_trip(tmp_path: Path) -> None:
+    src = write_events(tmp_path / "tb" / "proj" / "exp", _verl_rows())
+    out = tmp_path / "out"
+    result = import_run("tensorboard", tmp_path / "tb", out)
+    frame = steps_of(out)
+    assert frame["step"].to_list() == list(range(1, 13))
+    assert frame["loss"].to_list() == pytest.approx([0.01 * s for s in range(1, 13)], rel=1e-6)
+    assert frame["grad_norm"][0] == pytest.approx(2.0)
+    assert frame["entropy"][-1] == pytest.approx(0.9, rel=1e-6)
+    assert frame["reward"][-1] == pytest.approx(1.2, rel=1e-6)
+    assert frame["response_len"][0] == pytest.approx(101.0)
+    assert frame["truncation_rate"].to_list() == pytest.approx([0.25] * 12)
+    assert frame["clip_frac"][0] == pytest.approx(0.002, rel=1e-6)
+    assert frame["lr"][0] == pytest.approx(1e-6, rel=1e-6)
+    # KL loss off: 0.0 everywhere is not the KL; kept under its own name.
+    assert "kl" not in frame.columns
+    assert frame["actor/kl_loss"].to_list() == [0.0] * 12
+    assert frame["actor/ppo_kl"][0] == pytest.approx(1e-4, rel=1e-5)
+    assert any("actor/kl_loss is 0 at every step" in n for n in result.notes)
+    assert src.exists()
+
+
+def test_verl_kl_loss_read_when_non_zero(tmp_path: Path) -> None:
+    write_events(tmp_path / "tb", _verl_rows(kl_loss=0.003))
+    import_run("tensorboard", tmp_path / "tb", tmp_path / "out")
+    frame = steps_of(tmp_path / "out")
+    assert frame["kl"].to_list() == pytest.approx([0.003] * 12, rel=1e-6)
+    assert "actor/kl_loss" not in frame.columns
+
+
+def test_trl_tags_as_tensors(tmp_path: Path) -> None:
+    rows = {
+        s: {
+            "train/loss": 0.5,
+            "train/grad_norm": 0.25 * s,
+            "train/learning_rate": 2e-6,
+            "train/reward": 0.125 * s,
+            "train/kl": 0.01,
+            "train/entropy": 0.75,
+            "train/clip_ratio/region_mean": 0.0,
+            "train/completions/mean_length": 64.0,
+            "train/completions/clipped_ratio": 0.5,
+            "train/epoch": 0.1 * s,
+        }
+        for s in (10, 20, 30)
+    }
+    write_events(tmp_path / "runs" / "Dec01", rows, tensors=True)
+    import_run("tensorboard", tmp_path / "runs", tmp_path / "out")
+    frame = steps_of(tmp_path / "out")
+    assert frame["step"].to_list() == [10, 20, 30]
+    assert frame["reward"].to_list() == pytest.approx([1.25, 2.5, 3.75])
+    assert frame["grad_norm"].to_list() == pytest.approx([2.5, 5.0, 7.5])
+    assert frame["lr"][0] == pytest.approx(2e-6, rel=1e-6)
+    assert frame["kl"][0] == pytest.approx(0.01, rel=1e-6)
+    assert frame["entropy"][0] == pytest.approx(0.75)
+    assert frame["response_len"][0] == pytest.approx(64.0)
+    assert frame["truncation_rate"][0] == pytest.approx(0.5)
+    assert frame["clip_frac"][0] == 0.0
+    assert frame["train/epoch"][-1] == pytest.approx(3.0, rel=1e-6)  # unknown tag: extra column
+
+
+def test_openrlhf_tags(tmp_path: Path) -> None:
+    rows = {
+        s: {
+            "train/policy_loss": -0.02,
+            "train/kl": 0.004,
+            "train/reward": 0.5,
+            "train/response_length": 321.0,
+            "train/actor_lr": 5e-7,
+            "train/critic_loss": 0.3,
+        }
+        for s in range(1, 4)
+    }
+    write_events(tmp_path / "logs", rows)
+    import_run("tensorboard", tmp_path / "logs", tmp_path / "out")
+    frame = steps_of(tmp_path / "out")
+    assert frame["loss"][0] == pytest.approx(-0.02, rel=1e-6)
+    assert frame["response_len"][0] == pytest.approx(321.0)
+    assert frame["lr"][0] == pytest.approx(5e-7, rel=1e-6)
+    assert frame["train/critic_loss"][0] == pytest.approx(0.3, rel=1e-6)
+
+
+def test_nan_grad_norm_is_kept_and_fires_divergence(tmp_path: Path) -> None:
+    rows = _verl_rows(20)
+    rows[7]["actor/grad_norm"] = math.nan
+    write_events(tmp_path / "tb", rows)
+    out = tmp_path / "out"
+    import_run("tensorboard", tmp_path / "tb", out)
+    result = runner.invoke(app, ["analyze", str(out), "--format", "json"])
+    report = json.loads(result.stdout)
+    divergence = [f for f in report["findings"] if f["id"] == "divergence"]
+    assert divergence and "7" in divergence[0]["message"]
+
+
+def test_analyze_from_tensorboard(tmp_path: Path) -> None:
+    write_events(tmp_path / "tb", _verl_rows(20))
+    result = runner.invoke(
+        app, ["analyze", str(tmp_path / "tb"), "--from", "tensorboard", "--format", "json"]
+    )
+    assert result.exit_code in (0, 1), result.output
+    report = json.loads(result.stdout)
+    metrics = report["metrics"]
+    for metric_id in (
+        "stability.loss",
+        "stability.grad_norm",
+        "behavior.entropy",
+        "behavior.response_len",
+        "behavior.truncation_rate",
+        "signal.reward",
+    ):
+        assert metric_id in metrics, metric_id
+    assert "as logged" in metrics["behavior.truncation_rate"]["source"]
+    assert "stability.kl" not in metrics  # verl's KL loss was off
+    assert "truncation" in {f["id"] for f in report["findings"]}  # 0.25 > the 5% band
+
+
+def test_import_cli_and_formats(tmp_path: Path) -> None:
+    write_events(tmp_path / "tb", _verl_rows(3))
+    result = runner.invoke(
+        app, ["import", "tensorboard", str(tmp_path / "tb"), str(tmp_path / "o")]
+    )
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "o" / "run.json").is_file()
+    doc = runner.invoke(app, ["formats", "tensorboard"])
+    assert doc.exit_code == 0
+    for name in ("tracking.py", "integration_utils.py", "ppo_trainer.py", "train/policy_loss"):
+        assert name in doc.output
+    assert "tensorboard" in IMPORTERS
+
+
+def test_reimport_adds_only_new_steps(tmp_path: Path) -> None:
+    write_events(tmp_path / "tb" / "a", {s: {"train/loss": float(s)} for s in (1, 2)})
+    out = tmp_path / "out"
+    import_run("tensorboard", tmp_path / "tb", out)
+    write_events(tmp_path / "tb" / "b", {s: {"train/loss": float(s)} for s in (2, 3)})
+    import_run("tensorboard", tmp_path / "tb", out)
+    frame = steps_of(out)
+    assert frame["step"].to_list() == [1, 2, 3]
+
+
+def test_no_event_file_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RlscopeError, match="no TensorBoard event file"):
+        import_run("tensorboard", tmp_path / "empty", tmp_path / "out")
+
+
+def test_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from rlscope.importers import tensorboard as tb
+
+    real = builtins.__import__
+
+    def fake(name: str, *args, **kwargs):
+        if name.startswith("tensorboard"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(RlscopeError) as info:
+        tb._loader()
+    assert "rlscope[tensorboard]" in (info.value.hint or "")
