@@ -351,7 +351,9 @@ REAL_VERDICTS = {
         ("grad-spike", "warn"),
         ("kl-high", "critical"),
     ],
-    "trl-tiny-grpo": [("reward-hacking", "warn")],
+    # TRL logged completions/clipped_ratio 0.63 -> 0.92: the near-random policy runs into
+    # max_completion_length, read from the logged figure (words are never compared with caps).
+    "trl-tiny-grpo": [("reward-hacking", "warn"), ("truncation", "critical")],
 }
 
 
