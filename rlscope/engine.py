@@ -461,6 +461,8 @@ def _logged_columns(
     for metric_id, variant in chosen.items():
         if variant.table == "steps":
             continue
+        if run.lengths_in_words and "response_len" in variant.requires:
+            continue  # word counts are not compared with a trainer's token-based lengths
         found = next((c for c in catalog[metric_id].logged_as if c in columns), None)
         if found is not None:
             logged[metric_id] = found

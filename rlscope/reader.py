@@ -85,6 +85,12 @@ class Run:
         """run.json `provenance`: how the importer derived fields, {topic: one sentence}."""
         return run_provenance(self.meta)
 
+    @property
+    def lengths_in_words(self) -> bool:
+        """rollouts.response_len counts whitespace words, not tokens (run.json
+        response_len_unit): never compared with token caps or token-based logs."""
+        return self.meta.get("response_len_unit") == "words"
+
     def has(self, table: str, *columns: str) -> bool:
         """Whether `table` exists and has every column (derived columns count)."""
         if table not in self.tables:
@@ -126,7 +132,9 @@ class Run:
         else:
             out["correct"] = ("correct = reward > 0 (no correct_threshold in run.json)", reward > 0)
         cap = self.meta.get("max_response_len")
-        if cap is not None:
+        # A cap counts tokens: word counts (run.json response_len_unit "words") are never
+        # compared with it.
+        if cap is not None and not self.lengths_in_words:
             out["truncated"] = (
                 f"truncated = response_len >= {cap} (run.json max_response_len)",
                 pl.col("response_len") >= int(cap),

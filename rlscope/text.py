@@ -76,6 +76,11 @@ class TagSet:
         )
         return rf"^{think}?(?:{call}{response}?{think}?)*{answer}$"
 
+    def grammar_untagged_answer(self) -> str:
+        """`grammar` for responses whose final answer is an untagged line after the last tag
+        (DAPO / R1 `Answer: X`, GSM8K `#### N`): the same order, without the answer tag."""
+        return self.grammar().removesuffix("$").rsplit("(?:", 1)[0] + "$"
+
 
 @dataclass(frozen=True)
 class TextSettings:
@@ -118,13 +123,31 @@ def segment_words(
     return pl.when(found.list.len() > 0).then(text.str.count_matches(r"\S+"))
 
 
+#: A final-answer line outside any tag: DAPO / R1 (`Answer: 42`, what verl's math_dapo
+#: parses) and GSM8K (`#### 42`, verl's gsm8k reward). Group 1 is the answer.
+ANSWER_LINE = r"(?m)(?:^|[ \t])(?:Answer[ \t]*:|####)[ \t]*(\S[^\n]*?)[ \t]*$"
+
+
+def answer_line(text: pl.Expr) -> pl.Expr:
+    """The last untagged final-answer line's answer (`Answer: X`, `#### N`), else null."""
+    return text.str.extract_all(ANSWER_LINE).list.last().str.extract(ANSWER_LINE, 1)
+
+
 def format_ok(tags: TagSet, column: str = "response") -> pl.Expr:
     """Balanced tags in the allowed order (`TagSet.grammar`), a non-blank answer, and every JSON
-    tool call parsing with `name` and `arguments`. Null where the response is null."""
+    tool call parsing with `name` and `arguments`. The answer is the answer tag's content, or,
+    in a response with no answer tag, an untagged final-answer line after the last tag
+    (`Answer: X` as DAPO / R1 and verl's math_dapo reward expect, `#### N` as GSM8K). Null
+    where the response is null."""
     response = pl.col(column)
     sequence = response.str.extract_all(tags.tag_regex()).list.join("")
     answers = "|".join(map(re.escape, tags.answer))
-    answer = response.str.extract(rf"(?s)<(?:{answers})>(.*?)</(?:{answers})>", 1)
+    tagged = response.str.extract(rf"(?s)<(?:{answers})>(.*?)</(?:{answers})>", 1)
+    after_tags = response.str.replace(r"(?s)^.*</[^>]+>", "")
+    untagged = pl.when(sequence.str.contains(tags.grammar_untagged_answer())).then(
+        answer_line(after_tags)
+    )
+    answer = pl.coalesce(tagged, untagged)
     calls_ok = pl.lit(True)
     if tags.json_calls:
         names = "|".join(map(re.escape, tags.json_calls))
@@ -134,11 +157,8 @@ def format_ok(tags: TagSet, column: str = "response") -> pl.Expr:
             body.str.json_path_match("$.arguments").is_not_null()
         )
         calls_ok = calls.list.eval(parses).list.all()
-    ok = (
-        sequence.str.contains(tags.grammar())
-        & (answer.str.strip_chars().str.len_bytes() > 0).fill_null(False)
-        & calls_ok
-    )
+    ordered = sequence.str.contains(tags.grammar()) | untagged.is_not_null()
+    ok = ordered & (answer.str.strip_chars().str.len_bytes() > 0).fill_null(False) & calls_ok
     return pl.when(response.is_not_null()).then(ok)
 
 

@@ -302,7 +302,13 @@ def test_verl_round_trip(verl_dir: Path, tmp_path: Path) -> None:
     assert any("correct from `acc`" in n for n in result.notes)
     assert any("correct = score > 0" in n for n in result.notes)
     meta = json.loads((out / "run.json").read_text())
-    assert meta == {"schema_version": 1, "run_id": "rollouts", "algorithm": "GRPO", "group_size": 4}
+    assert {k: meta[k] for k in ("schema_version", "run_id", "algorithm", "group_size")} == {
+        "schema_version": 1,
+        "run_id": "rollouts",
+        "algorithm": "GRPO",
+        "group_size": 4,
+    }
+    assert meta["response_len_unit"] == "words" and set(meta["provenance"]) >= {"groups"}
 
     frame = table(out, "rollouts")
     sizes = frame.group_by("step", "prompt_id").len()

@@ -67,6 +67,9 @@ def _is_num(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+_FLAG_WORDS = {"true": True, "false": False, "1": True, "0": False}
+
+
 def convert_value(value: Any, spec: Field) -> tuple[bool, Any]:
     """(ok, value converted to the field's type) for one JSON value that is not null."""
     kind = spec.kind
@@ -83,7 +86,7 @@ def convert_value(value: Any, spec: Field) -> tuple[bool, Any]:
     if kind == "id":
         if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
             return True, str(value)
-        return (True, json.dumps(value)) if isinstance(value, float) else (False, None)
+        return (True, json.dumps(value)) if isinstance(value, float | list) else (False, None)
     if kind == "text":
         if isinstance(value, str):
             return True, value
@@ -93,6 +96,8 @@ def convert_value(value: Any, spec: Field) -> tuple[bool, Any]:
     if kind == "flag":
         if isinstance(value, bool):
             return True, value
+        if isinstance(value, str) and value.strip().lower() in _FLAG_WORDS:
+            return True, _FLAG_WORDS[value.strip().lower()]  # verl 0.9 json default=str: "True"
         return (True, float(value) > 0.5) if _is_num(value) else (False, None)
     if kind == "bool":
         return (True, value) if isinstance(value, bool) else (False, None)
@@ -255,6 +260,7 @@ def _slow(
 ) -> pl.DataFrame:
     keys = {s.key for s in fields}
     kept: list[int] = []
+    odd: dict[str, list[str]] = {}
     values: dict[str, list[Any]] = {s.key: [] for s in fields}
     extra: dict[str, list[Any]] = {}
     for i, (number, line) in enumerate(zip(numbers, lines, strict=True)):
@@ -283,6 +289,11 @@ def _slow(
                 row[spec.key] = None
                 continue
             ok, converted = convert_value(value, spec)
+            if not ok and not spec.required:
+                # One odd optional field nulls that field, never the rollout (counted).
+                odd.setdefault(spec.key, []).append(f"line {number}: {_type_name(value)}")
+                row[spec.key] = None
+                continue
             if not ok:
                 problem = (
                     f"wrong type for `{spec.key}`",
@@ -307,6 +318,13 @@ def _slow(
         for column in extra.values():
             if len(column) < len(kept):
                 column.append(None)
+    for key, where in odd.items():
+        expected = _EXPECTED[next(s.kind for s in fields if s.key == key)]
+        warnings.append(
+            f"{path}: `{key}` is not {expected} on {len(where):,} line(s) "
+            f"({', '.join(where[:3])}{' ...' if len(where) > 3 else ''}): left null there, "
+            "the rollouts kept"
+        )
     series = [pl.Series(LINE, kept, dtype=pl.Int64)]
     for spec in fields:
         series.append(pl.Series(spec.key, values[spec.key], dtype=spec.dtype))

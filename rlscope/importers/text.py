@@ -8,6 +8,8 @@ from typing import Any
 
 import polars as pl
 
+from rlscope.text import answer_line
+
 #: How `response_len` is estimated when the source has no length field.
 WORDS_NOTE = (
     "response_len estimated as whitespace-separated words (no length field in the source): "
@@ -44,13 +46,19 @@ _BOXED = r"\\boxed\s*\{(" + _nested(BOXED_MAX_DEPTH) + r")\}"
 _ANSWER = r"(?s)<answer>(.*?)</answer>"
 
 
-def answer_expr(text: pl.Expr) -> pl.Expr:
+def answer_expr(text: pl.Expr, pattern: str | None = None) -> pl.Expr:
     """The final answer: the last `<answer>…</answer>` content if present, else the content of
-    the last `\\boxed{…}` (braces nested up to BOXED_MAX_DEPTH deep), else null. Stripped; an
-    empty answer is null."""
-    tagged = text.str.extract_all(_ANSWER).list.last().str.extract(_ANSWER, 1)
-    boxed = text.str.extract_all(_BOXED).list.last().str.extract(_BOXED, 1)
-    answer = pl.coalesce(tagged, boxed).str.strip_chars()
+    the last `\\boxed{…}` (braces nested up to BOXED_MAX_DEPTH deep), else the last untagged
+    final-answer line (`Answer: X` as DAPO / R1 and verl's math_dapo, `#### N` as GSM8K),
+    else null; with `pattern` (a regex whose group 1 is the answer), its last match only.
+    Stripped; an empty answer is null."""
+    if pattern is not None:
+        answer = text.str.extract_all(pattern).list.last().str.extract(pattern, 1)
+    else:
+        tagged = text.str.extract_all(_ANSWER).list.last().str.extract(_ANSWER, 1)
+        boxed = text.str.extract_all(_BOXED).list.last().str.extract(_BOXED, 1)
+        answer = pl.coalesce(tagged, boxed, answer_line(text))
+    answer = answer.str.strip_chars()
     return pl.when(answer.str.len_chars() > 0).then(answer).otherwise(None)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,13 @@ from rlscope.importers._jsonl import CHUNK_LINES, LINE, Field, chunks, read_json
 from rlscope.importers.text import ASSISTANT, WORDS_NOTE, answer_expr, prompt_ids, word_count_expr
 
 TRAJECTORY_KEYS = ("traj_uid", "trajectory_id")
+#: verl >= 0.9 dumps the rollout's uid, `{group uid}_{session}_{i}`.
+UID = "uid"
+#: What verl's math_dapo writes as `pred` when it found no answer.
+NO_ANSWER = ("[INVALID]", "")
+#: Share of rows whose dumped `pred` may differ from their own output's answer before the
+#: extras are called out of line (reward functions normalise answers differently).
+PRED_MISMATCH_SHARE = 0.2
 LENGTH_KEYS = ("response_length", "response_len")
 _CONSUMED = ("input", "output", "score", "step", "acc", "pred", *LENGTH_KEYS)
 
@@ -96,12 +105,16 @@ def import_verl(session: Session) -> None:
     ]
     candidates = [opts["trajectory_key"]] if opts["trajectory_key"] else list(TRAJECTORY_KEYS)
     fields += [Field(k, "id") for k in candidates]
+    fields.append(Field(UID, "id"))
+    counter = _token_counter(opts["tokenizer"])
+    files_read = rows_read = 0
     for done, (file_step, path) in enumerate(files, 1):
         status = session.read_status(path, done, len(files))
         if status is None:
             continue
         chunks = list(read_jsonl(path, fields, session.skips, session.warnings))
         frame = pl.concat(chunks, how="diagonal_relaxed") if chunks else pl.DataFrame()
+        files_read, rows_read = files_read + 1, rows_read + frame.height
         n_steps = 0
         if frame.height:
             frame = _with_step(frame, file_step, path, session)
@@ -114,10 +127,19 @@ def import_verl(session: Session) -> None:
                 state["trajectory_key"] = key
                 if key:
                     session.notes.append(f"verl-agent rows folded into trajectories by `{key}`")
-            session.add_rollouts(_rollouts(frame, key or None, candidates, session))
+            session.add_rollouts(_rollouts(frame, key or None, candidates, session, counter))
         session.file_done(path, n_steps)
         session.checkpoint()
         session.tick(done, len(files))
+    if files_read and not rows_read:
+        raise RlscopeError(
+            f"{session.source}: no rollout could be read from {files_read:,} file(s)",
+            hint="every line was malformed (see the skipped-line examples above); "
+            "check that these are verl rollout dumps",
+        )
+    _finish_rollouts(session, counter is not None)
+    if opts["metrics"]:
+        _import_metrics_files(Path(opts["metrics"]), session)
 
 
 def _with_step(
@@ -132,19 +154,40 @@ def _with_step(
 
 
 def _rollouts(
-    frame: pl.DataFrame, key: str | None, candidates: list[str], session: Session
+    frame: pl.DataFrame,
+    key: str | None,
+    candidates: list[str],
+    session: Session,
+    counter: Callable[[list[str]], list[int]] | None = None,
 ) -> pl.DataFrame:
     opts = session.options
+    state = session.state()
     threshold = opts["correct_threshold"]
     has_length = any(frame[k].null_count() < frame.height for k in LENGTH_KEYS)
     length = pl.coalesce(*(pl.col(k) for k in LENGTH_KEYS)).round().cast(pl.Int32)
-    frame = frame.with_columns(pl.coalesce(length, word_count_expr(pl.col("output"))).alias("_len"))
-    session.notes.append(
-        "response_len from `response_length`/`response_len`"
-        + (", words where a row has neither" if frame["_len"].null_count() else "")
-        if has_length
-        else WORDS_NOTE
-    )
+    if counter is not None:
+        tokens = pl.Series("_tokens", counter(frame["output"].fill_null("").to_list()), pl.Int32)
+        frame = frame.with_columns(pl.coalesce(length, tokens).alias("_len"))
+    else:
+        frame = frame.with_columns(
+            pl.coalesce(length, word_count_expr(pl.col("output"))).alias("_len")
+        )
+        if not has_length or frame["_len"].null_count():
+            state["words"] = True
+    if counter is not None:
+        session.notes.append("response_len = tokens of `output` (the tokenizer option)")
+    else:
+        session.notes.append(
+            "response_len from `response_length`/`response_len`"
+            + (", words where a row has neither" if frame["_len"].null_count() else "")
+            if has_length
+            else WORDS_NOTE
+        )
+    answer = answer_expr(pl.col("output"), opts["answer_pattern"])
+    # verl's math_dapo writes pred "[INVALID]" when it found no answer: no answer.
+    pred = pl.when(pl.col("pred").is_in(NO_ANSWER)).then(None).otherwise(pl.col("pred"))
+    frame = frame.with_columns(pred.alias("pred"), answer.alias("_own_answer"))
+    _check_pred(frame, session)
     if frame["acc"].null_count() < frame.height:
         session.notes.append("correct from `acc` (bool, or acc > 0.5)")
     if frame["acc"].null_count():
@@ -152,27 +195,146 @@ def _rollouts(
     if frame["pred"].null_count() < frame.height:
         session.notes.append("answer from `pred`")
     if frame["pred"].null_count():
-        session.notes.append("answer extracted from `output` (<answer>, else \\boxed{})")
-    extras = [c for c in frame.columns if c not in (*_CONSUMED, LINE, "_len", *candidates)]
+        session.notes.append(
+            "answer extracted from `output` (<answer>, else \\boxed{}, else `Answer: X` / `#### N`)"
+        )
+    skip = (*_CONSUMED, LINE, "_len", "_own_answer", UID, *candidates)
+    extras = [c for c in frame.columns if c not in skip]
     frame, extras = rename_reserved(frame, extras, session, "verl")
+    numeric = [c for c in extras if frame.schema[c].is_numeric() and c not in ("gts", "reward")]
+    state["reward_components"] = list(
+        dict.fromkeys([*state.get("reward_components", []), *numeric])
+    )
     if key is None:
         frame = index_within_step(frame)
+        uid = frame[UID] if frame[UID].null_count() < frame.height else None
+        if uid is not None:  # verl >= 0.9: `{uid}_{session}_{i}`; the group is `{uid}`
+            state["groups"] = "uid"
+            group = uid.fill_null("").str.replace(r"_[^_]*_[^_]*$", "")
+            ids = prompt_ids(group).alias("prompt_id")
+        else:
+            ids = prompt_ids(frame["input"])
         out = frame.select(
             "step",
-            prompt_ids(frame["input"]),
+            ids,
             pl.col("input").alias("prompt"),
             pl.col("score").alias("reward"),
             pl.coalesce("acc", correct_from_reward(pl.col("score"), threshold)).alias("correct"),
             pl.col("_len").alias("response_len"),
-            pl.coalesce("pred", answer_expr(pl.col("output"))).alias("answer"),
+            pl.coalesce("pred", "_own_answer").alias("answer"),
             pl.col("output").alias("response"),
             "_index",
             *extras,
         )
+        _count_merged_groups(out, session)
     else:
         out = _fold(frame, key, extras, threshold)
     out = out.with_columns(pl.lit(opts["split"]).alias("split"))
+    if counter is not None and opts["max_response_len"] is not None:
+        out = out.with_columns(
+            (pl.col("response_len") >= opts["max_response_len"]).alias("truncated")
+        )
     return out.with_columns(session.rollout_ids(out, "_index")).drop("_index")
+
+
+def _token_counter(path: str | None) -> Callable[[list[str]], list[int]] | None:
+    """Exact token counts from the model's `tokenizer.json` (the optional `tokenizers`
+    library; no network), or None without the option."""
+    if path is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise RlscopeError(
+            "the tokenizer option needs the `tokenizers` library",
+            hint='pip install "rlscope[verl]"',
+        ) from None
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise RlscopeError(f"{path}: not a tokenizer.json ({exc})") from None
+
+    def count(texts: list[str]) -> list[int]:
+        return [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    return count
+
+
+def _check_pred(frame: pl.DataFrame, session: Session) -> None:
+    """verl-recipe's DAPO trainer dumps score/acc/pred in the pre-filter order, so rows carry
+    another row's reward: seen as a dumped `pred` that differs from the answer in the row's own
+    output. Counted across files; the warning comes at the end (`_finish_rollouts`)."""
+    both = frame.filter(pl.col("pred").is_not_null() & pl.col("_own_answer").is_not_null())
+    state = session.state()
+    state["pred_rows"] = state.get("pred_rows", 0) + both.height
+    differ = both.filter(pl.col("pred").str.strip_chars() != pl.col("_own_answer")).height
+    state["pred_differ"] = state.get("pred_differ", 0) + differ
+
+
+def _count_merged_groups(out: pl.DataFrame, session: Session) -> None:
+    """Without a group uid, a prompt drawn twice in one step (balance_batch scatters rows, so
+    line order cannot split them) merges into one group of k·n: counted for a warning."""
+    state = session.state()
+    if state.get("groups") == "uid":
+        return
+    sizes = out.group_by("step", "prompt_id").len()["len"]
+    n = session.options["n"] or (int(sizes.mode().sort()[-1]) if sizes.len() else None)
+    if n and n > 1:
+        state["n"] = n
+        merged = int(((sizes >= 2 * n) & (sizes % n == 0)).sum())
+        state["merged_groups"] = state.get("merged_groups", 0) + merged
+        state["groups_seen"] = state.get("groups_seen", 0) + sizes.len()
+
+
+def _finish_rollouts(session: Session, tokens: bool) -> None:
+    """run.json fields and the warnings that need every file: words or tokens, groups,
+    reward extras out of line with the outputs."""
+    state, meta, opts = session.state(), session.meta, session.options
+    provenance = dict(meta.get("provenance") or {})
+    if state.get("words") and not tokens:
+        meta["response_len_unit"] = "words"
+        provenance["response_len"] = (
+            "whitespace words of `output` (verl's dump has no token count; "
+            "`-o tokenizer=tokenizer.json` counts tokens): never compared with max_response_length "
+            "or verl's token-based response_length/*"
+        )
+    elif tokens:
+        meta["response_len_unit"] = "tokens"
+        provenance["response_len"] = "tokens of `output` by the model's tokenizer.json"
+    if state.get("groups") == "uid":
+        provenance["groups"] = "verl's group uid (`{uid}_{session}_{i}`, verl >= 0.9)"
+    else:
+        provenance["groups"] = (
+            "identical `input` within a step (verl < 0.9 dumps no group uid; balance_batch "
+            "reorders rows, so line order cannot split a prompt drawn twice)"
+        )
+        merged, seen = state.get("merged_groups", 0), state.get("groups_seen", 0)
+        if merged:
+            session.warnings.append(
+                f"{merged:,} of {seen:,} groups hold a multiple (>= 2x) of n = {state['n']} "
+                "rollouts: the same prompt drawn more than once in a step, merged into one group "
+                "(their σ_G and pass@k are over the merged group: pass@k with k = n is then "
+                "optimistic and σ_G pools two draws; verl >= 0.9 dumps a uid that separates them)"
+            )
+    if state.get("n"):
+        meta.setdefault("group_size", state["n"])
+    rows, differ = state.get("pred_rows", 0), state.get("pred_differ", 0)
+    if rows and differ / rows > PRED_MISMATCH_SHARE:
+        session.warnings.append(
+            f"`pred` differs from the answer in the row's own `output` on {differ / rows:.0%} of "
+            f"{rows:,} rows: the reward extras (score, acc, pred) are out of line with the "
+            "outputs (verl-recipe's DAPO trainer dumps them in the pre-filter order), so "
+            "rewards and correctness belong to other rows"
+        )
+    if state.get("reward_components"):
+        meta["reward_components"] = state["reward_components"]
+    if opts["max_response_len"] is not None and not tokens:
+        provenance["truncation"] = (
+            "not derived: max_response_len counts tokens and response_len counts words here; "
+            "verl's logged response_length/clip_ratio (`-o metrics=`) is used instead"
+        )
+    if provenance:
+        meta["provenance"] = provenance
 
 
 def _fold(
@@ -217,9 +379,7 @@ def _fold(
 
 METRIC_NAMES = {
     "actor/grad_norm": "grad_norm",
-    "actor/entropy": "entropy",
     "actor/pg_clipfrac": "clip_frac",
-    "actor/kl_loss": "kl",
     "actor/pg_loss": "loss",
     "actor/lr": "lr",
 }
@@ -241,9 +401,14 @@ def import_verl_metrics(session: Session) -> None:
     Malformed lines (bad JSON, no integer `step`, `data` not an object) are skipped and
     counted; `strict=true` stops at the first. A log that grew is read again and only steps
     after the last imported one are added."""
-    files = _files(session.source)
+    _import_metrics_files(session.source, session)
+
+
+def _import_metrics_files(source: Path, session: Session) -> None:
+    files = _files(source)
     if not files:
-        raise RlscopeError(f"{session.source}: no *.jsonl metrics file")
+        raise RlscopeError(f"{source}: no *.jsonl metrics file")
+    settings = _settings(source, session)
     for done, (_, path) in enumerate(files, 1):
         status = session.read_status(path, done, len(files))
         if status is None:
@@ -255,12 +420,120 @@ def import_verl_metrics(session: Session) -> None:
             if session.already("steps", step, this_call=False):
                 session.skip_step("steps", step)
                 continue
-            rows.add(step, data)
+            rows.add(
+                step,
+                {k: math.nan if v is None and k in NAN_WHEN_NULL else v for k, v in data.items()},
+            )
         rows.note(session, str(path))
-        session.add_steps(rows.sorted_rows())
+        session.add_steps(_interpreted(rows.sorted_rows(), settings, session))
         session.file_done(path, len(steps))
         session.checkpoint()
         session.tick(done, len(files))
+
+
+#: Logged as null by verl's orjson writer when the value was NaN: a divergence, kept as NaN.
+NAN_WHEN_NULL = ("actor/grad_norm", "actor/pg_loss")
+KL_LOSS, REWARD_KL = "actor/kl_loss", "actor/reward_kl_penalty"
+ENTROPY = "actor/entropy"
+
+
+def _settings(source: Path, session: Session) -> dict[str, Any]:
+    """What the importer needs of the run's config: the options, else the run's saved Hydra
+    config (`.hydra/config.yaml` beside the source or up to three folders above; needs PyYAML),
+    else verl's defaults."""
+    opts = session.options
+    config: dict[str, Any] = {}
+    for folder in [source if source.is_dir() else source.parent, *source.resolve().parents[:3]]:
+        found = folder / ".hydra" / "config.yaml"
+        if found.is_file():
+            config = _hydra(found, session)
+            break
+    actor = config.get("actor_rollout_ref", {}).get("actor", {}) if config else {}
+    rollout = config.get("actor_rollout_ref", {}).get("rollout", {}) if config else {}
+
+    def pick(option: str, configured: Any) -> Any:
+        return opts[option] if opts.get(option) is not None else configured
+
+    return {
+        "version": opts["verl_version"],
+        "use_kl_loss": pick("use_kl_loss", actor.get("use_kl_loss")),
+        "kl_loss_type": pick("kl_loss_type", actor.get("kl_loss_type")) or "low_var_kl",
+        "loss_agg_mode": pick("loss_agg_mode", actor.get("loss_agg_mode")) or "token-mean",
+        "kl_loss_scale": opts["kl_loss_scale"],
+        "n": rollout.get("n"),
+        "max_response_length": config.get("data", {}).get("max_response_length")
+        if config
+        else None,
+    }
+
+
+def _hydra(path: Path, session: Session) -> dict[str, Any]:
+    try:
+        import yaml
+    except ImportError:
+        session.notes.append(f"{path}: found but not read (needs PyYAML); pass -o options")
+        return {}
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        session.warnings.append(f"{path}: not readable YAML ({exc}); ignored")
+        return {}
+    session.notes.append(f"verl config read from {path}")
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _interpreted(
+    rows: list[dict[str, Any]], settings: dict[str, Any], session: Session
+) -> list[dict[str, Any]]:
+    """`kl` and `entropy` only where verl's numbers mean that (see import_verl_metrics)."""
+    provenance = dict(session.meta.get("provenance") or {})
+    version = settings["version"] or "unknown"
+    kl_values = [r[KL_LOSS] for r in rows if KL_LOSS in r]
+    measured = [v for v in kl_values if math.isfinite(v) and v != 0]
+    use = settings["use_kl_loss"]
+    kl_on = bool(measured) if use is None else bool(use) and bool(measured)
+    scale = settings["kl_loss_scale"] or 1.0
+    if kl_on:
+        for row in rows:
+            if KL_LOSS in row:
+                row["kl"] = row.pop(KL_LOSS) * scale
+        estimator = settings["kl_loss_type"]
+        how = {
+            "0.6": "divided by the gradient-accumulation steps in 0.6 (pass -o kl_loss_scale=N "
+            "to undo)",
+            "0.7": "multiplied by mini-batches x epochs in 0.7 (verl PR #5766; pass "
+            "-o kl_loss_scale=1/N to undo)",
+        }.get(version, "the per-token KL, mean over micro-batches")
+        provenance["kl"] = (
+            f"actor/kl_loss ({estimator}), verl {version}: {how}"
+            + (f"; x{scale:g}" if scale != 1.0 else "")
+            + " (verl/workers/actor/dp_actor.py update_policy)"
+        )
+    elif any(REWARD_KL in r for r in rows):
+        for row in rows:
+            if REWARD_KL in row:
+                row["kl"] = row.pop(REWARD_KL)
+        provenance["kl"] = "actor/reward_kl_penalty: k1 KL applied through the reward"
+    elif kl_values:
+        provenance["kl"] = (
+            "not logged: actor/kl_loss is 0.0 at every step (KL loss off, verl's default since "
+            "0.7); kept as the extra column actor/kl_loss, never read as the KL"
+        )
+    mode = settings["loss_agg_mode"]
+    if mode == "token-mean":
+        for row in rows:
+            if ENTROPY in row:
+                row["entropy"] = row.pop(ENTROPY)
+        if any("entropy" in r for r in rows):
+            provenance["entropy"] = "actor/entropy, token-mean (nats per token)"
+    elif any(ENTROPY in r for r in rows):
+        provenance["entropy"] = (
+            f"actor/entropy is agg_loss(entropy, mask, '{mode}') (core_algos.py agg_loss): not "
+            "nats per token, kept as the extra column actor/entropy"
+        )
+    if provenance:
+        session.meta["provenance"] = provenance
+    return rows
 
 
 def _metric_records(path: Path, session: Session):
@@ -314,9 +587,42 @@ def _metric_fast(lines: list[bytes]) -> list[tuple[int, dict[str, Any]]] | None:
         return None
     records = []
     for step, row in zip(raw["step"].to_list(), data.iter_rows(named=True), strict=True):
-        records.append((step, {k: v for k, v in row.items() if v is not None}))
+        records.append(
+            (step, {k: v for k, v in row.items() if v is not None or k in NAN_WHEN_NULL})
+        )
     return records
 
+
+METRIC_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "verl_version",
+        "str",
+        None,
+        "verl release that wrote the log (0.5, 0.6, 0.7, 0.9, main): how actor/kl_loss is scaled",
+    ),
+    Option(
+        "use_kl_loss",
+        "bool",
+        None,
+        "actor.use_kl_loss (default: the Hydra config, else "
+        "on when actor/kl_loss is non-zero at some step)",
+    ),
+    Option("kl_loss_type", "str", None, "actor.kl_loss_type: k1, k2, k3/low_var_kl"),
+    Option(
+        "loss_agg_mode",
+        "str",
+        None,
+        "actor.loss_agg_mode (default token-mean): "
+        "actor/entropy is nats per token only with token-mean",
+    ),
+    Option(
+        "kl_loss_scale",
+        "float",
+        None,
+        "multiply actor/kl_loss by this to get the "
+        "per-token KL (e.g. the gradient-accumulation steps for verl 0.6)",
+    ),
+)
 
 VERL = Importer(
     name="verl",
@@ -330,6 +636,28 @@ VERL = Importer(
             "key of verl-agent rows naming their trajectory (default: traj_uid or "
             "trajectory_id when present)",
         ),
+        Option("n", "int", None, "rollouts per prompt (rollout.n; default: the modal group size)"),
+        Option(
+            "tokenizer",
+            "str",
+            None,
+            "path to the model's tokenizer.json: exact token "
+            "counts (needs the `tokenizers` library: rlscope[verl]; no network)",
+        ),
+        Option(
+            "answer_pattern",
+            "str",
+            None,
+            "regex whose group 1 is the final answer "
+            "(default: <answer>, \\boxed{}, `Answer: X`, `#### N`)",
+        ),
+        Option(
+            "metrics",
+            "str",
+            None,
+            "verl's file-logger metrics JSONL of the same run: imported into the steps table",
+        ),
+        *METRIC_OPTIONS,
         *ROLLOUT_OPTIONS,
         *COMMON_OPTIONS,
     ),
@@ -341,7 +669,7 @@ VERL = Importer(
 VERL_METRICS = Importer(
     name="verl-metrics",
     summary="verl file-logger metrics JSONL ({step, data}) -> steps table",
-    options=COMMON_OPTIONS,
+    options=(*METRIC_OPTIONS, *COMMON_OPTIONS),
     tables=("steps",),
     default_algorithm="GRPO",
     run=import_verl_metrics,

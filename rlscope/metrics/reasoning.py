@@ -50,8 +50,14 @@ def majority_vote(frame: pl.LazyFrame) -> pl.LazyFrame:
         pl.col("answer_accuracy").sort_by("first_seen").first().alias("maj_first"),
     )
     return groups.join(majority, on=GROUP, how="left").with_columns(
-        pl.col("maj", "maj_first").fill_null(0.0)
+        pl.col("maj").is_not_null().alias("voted"), pl.col("maj", "maj_first").fill_null(0.0)
     )
+
+
+def _answered(value: pl.Expr) -> pl.Expr:
+    """A step's vote metric, null when no rollout of the step gave an answer: maj@N is
+    undefined then, never 0 (answers that could not be extracted are not wrong votes)."""
+    return pl.when(pl.col("voted").any()).then(value)
 
 
 def _consistency_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
@@ -59,8 +65,8 @@ def _consistency_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
         majority_vote(frame)
         .group_by("step")
         .agg(
-            (pl.col("maj") - pl.col("accuracy")).mean().alias("value"),
-            pl.col("maj").mean().alias("extra_maj_at_n"),
+            _answered((pl.col("maj") - pl.col("accuracy")).mean()).alias("value"),
+            _answered(pl.col("maj").mean()).alias("extra_maj_at_n"),
             pl.col("accuracy").mean().alias("extra_mean_accuracy"),
             # maj@N if every wrong rollout of a group gave the same answer: 1 above half right,
             # 1/2 at exactly half (a tie). maj@N above it = right answers win pluralities.
@@ -75,7 +81,11 @@ def _consistency_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 
 
 def _maj_first(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
-    return majority_vote(frame).group_by("step").agg(pl.col("maj_first").mean().alias("value"))
+    return (
+        majority_vote(frame)
+        .group_by("step")
+        .agg(_answered(pl.col("maj_first").mean()).alias("value"))
+    )
 
 
 def _vote_variant(series) -> Variant:
@@ -84,7 +94,8 @@ def _vote_variant(series) -> Variant:
         ("answer", "correct"),
         series,
         _VOTES,
-        empty_reason="no train group with 2 or more rollouts",
+        empty_reason="no train group with 2 or more rollouts that gives an answer (no answer "
+        "could be extracted: log `answer`, or import with `-o answer_pattern=REGEX`)",
         level="rollout",
     )
 
@@ -114,8 +125,11 @@ register_metric(
         unit="share",
         layer="L6",
         title="maj@N accuracy, first answer wins ties (verl)",
-        doc="maj@N accuracy as verl computes it (`val-core/.../maj@N`): among tied majority "
-        "answers, the first seen wins (here: the one whose earliest rollout_id is lowest). "
+        doc="maj@N accuracy with verl's tie rule: among tied majority answers, the first seen "
+        "wins (here: the one whose earliest rollout_id is lowest). Deterministic over the whole "
+        "group, so not equal to verl's logged `val-core/.../maj@N/mean`, which is a bootstrap "
+        "mean over 1000 resamples of N from the group (verl/trainer/ppo/metric_utils.py "
+        "process_validation_metrics, bootstrap_metric): expect small differences. "
         "Compare with reasoning.self_consistency_gap's components.maj_at_n (uniform "
         "tie-breaking, the unbiased version).",
         healthy="at or above mean accuracy",

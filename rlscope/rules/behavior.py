@@ -213,14 +213,16 @@ def _level_rule(
     *,
     complement: bool = False,
     examples: Callable[[pl.DataFrame], list[int]] | None = None,
+    excused: float = 0.0,
 ) -> Iterator[Finding]:
-    """A final-window level against `warn_at`/`critical_at` (of 1 - value with `complement`);
-    `examples` picks rollout ids from the per-rollout rows of the final window."""
+    """A final-window level against `warn_at`/`critical_at` (of 1 - value with `complement`),
+    less the share `excused` that another finding explains; `examples` picks rollout ids from
+    the per-rollout rows of the final window."""
     series = ctx.series(metric_id)
     if series is None or len(series) == 0:
         return
     value = final_mean(series)
-    level = 1.0 - value if complement else value
+    level = max((1.0 - value if complement else value) - excused, 0.0)
     severity = level_severity(level, ctx.params, final_se(series))
     if severity is None:
         return
@@ -336,21 +338,28 @@ def tool_call_instability(ctx: RuleContext) -> Iterator[Finding]:
     "`arguments`) at least `warn_at` (critical at `critical_at`). Only judged when responses use "
     "tags. A broken format gets no reward for reasons unrelated to the task; a share that rises "
     "during training is often reward hacking around the parser or a collapse into loops "
-    "(seed §3, segment quality)." + LEVEL_NOTE,
+    "(seed §3, segment quality). A response cut at the length cap cannot close its tags or "
+    "give its answer: that is truncation's finding, so the share judged here is the "
+    "violations beyond the final-window truncation rate (behavior.truncation_rate, recomputed "
+    "or as the trainer logged it) when it is known. Answers may be tagged (`<answer>`) or an "
+    "untagged final line after the last tag (`Answer: X` as DAPO / R1, `#### N` as GSM8K)."
+    + LEVEL_NOTE,
     remedy="open the listed rollouts (`rlscope show RUN ID`); add or raise a format reward; "
     "check the chat template and stop tokens; check [tags] matches the model's tags.",
-    metrics=("behavior.format_ok",),
+    metrics=("behavior.format_ok", "behavior.truncation_rate"),
     params={
         "warn_at": Param(0.1, "final-window share of violations for a warning"),
         "critical_at": Param(0.3, "final-window share of violations for a critical finding"),
     },
 )
 def format_violations(ctx: RuleContext) -> Iterator[Finding]:
+    truncation = ctx.series("behavior.truncation_rate")
     yield from _level_rule(
         ctx,
         "behavior.format_ok",
         "rollouts break the format",
         complement=True,
+        excused=final_mean(truncation) if truncation is not None and len(truncation) else 0.0,
         examples=lambda rows: example_ids(
             rows, pl.col("tagged").is_not_null() & ~pl.col("format_ok")
         ),

@@ -407,7 +407,11 @@ def divergence(ctx: RuleContext) -> Iterator[Finding]:
     if bad.height == 0:
         return
     steps = [int(s) for s in bad["step"].to_list()]
-    which = [c.removeprefix("extra_") for c in bad.columns if c.startswith("extra_")]
+    which = [
+        c.removeprefix("extra_")
+        for c in bad.columns
+        if c.startswith("extra_") and (bad[c].fill_null(0) > 0).any()
+    ]
     shown = ", ".join(map(str, steps[:10])) + (", …" if len(steps) > 10 else "")
     yield ctx.finding(
         f"{len(steps)} step(s) logged a NaN or infinite {' or '.join(which) or 'value'}: "
