@@ -271,3 +271,37 @@ def test_no_answer_skips_the_vote_metrics(tmp_path: Path) -> None:
     reasons = {s.metric: s.reason for s in report.skipped}
     assert "answer" in reasons["reasoning.maj_at_n_first"]
     assert "answer" in reasons["reasoning.self_consistency_gap"]
+
+
+def test_group_filtering_is_said(tmp_path: Path) -> None:
+    source = tmp_path / "metrics.jsonl"
+    source.write_text(
+        "\n".join(
+            json.dumps({"step": s, "data": {"actor/grad_norm": 1.0, "train/num_gen_batches": 2}})
+            for s in range(1, 4)
+        )
+    )
+    import_run("verl-metrics", source, tmp_path / "out")
+    provenance = json.loads((tmp_path / "out" / "run.json").read_text())["provenance"]
+    assert "only the groups that survived" in provenance["filtering"]
+
+
+def test_hydra_config_says_what_the_importer_needs(tmp_path: Path) -> None:
+    pytest.importorskip("yaml")
+    run = tmp_path / "outputs" / "run1"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(
+        "actor_rollout_ref:\n  actor:\n    use_kl_loss: false\n"
+        "    loss_agg_mode: seq-mean-token-sum\n  rollout:\n    n: 4\n"
+    )
+    source = run / "metrics.jsonl"
+    source.write_text(
+        "\n".join(
+            json.dumps({"step": s, "data": {"actor/entropy": 70.0, "actor/kl_loss": 0.01}})
+            for s in range(1, 4)
+        )
+    )
+    result = import_run("verl-metrics", source, tmp_path / "out")
+    steps = table(tmp_path / "out", "steps")
+    assert "entropy" not in steps.columns and "kl" not in steps.columns
+    assert any("config.yaml" in n for n in result.notes)

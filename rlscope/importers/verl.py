@@ -56,18 +56,34 @@ def import_verl(session: Session) -> None:
     by `trainer.rollout_data_dir` (train) or `trainer.validation_data_dir` (validation; import
     it with `split=eval_id` or `eval_ood`). A single `.jsonl` file works too.
 
+    Read from verl's own writer: verl/trainer/ppo/ray_trainer.py `_dump_generations` (0.5 ->
+    main: `input`, `output`, `gts`, `score`, `step` and every reward-extra list of the batch
+    length, e.g. math_dapo's `acc`, `pred`, `score`; rows after `balance_batch`'s
+    karmarkar_karp reorder, so a group's rows are scattered; 0.9's v1 trainer adds `uid`;
+    0.9 writes with json `default=str`, so a bool extra can arrive as "True").
+
     Fields read (verl's names) -> format v1:
       step      `step`, else the file name `<step>.jsonl`
-      prompt_id blake2b-8 hex of `input`: rollouts of one step with identical `input` are one
-                group (verl writes no prompt uid); the text is kept as column `prompt`
+      prompt_id verl >= 0.9: the group part of `uid` (`{uid}_{session}_{i}` -> `{uid}`);
+                before: blake2b-8 hex of `input` (rollouts of one step with identical `input`
+                are one group). A prompt drawn twice in a step then merges into one group of
+                2n: groups whose size is a multiple (>= 2x) of n are counted in a warning
+                (their σ_G pools two draws, and pass@k with k = n is optimistic).
       response  `output`;  reward = `score`
-      correct   `acc` when present (a bool, or a number: acc > 0.5), else score > 0
-                (score >= correct_threshold with that option)
-      answer    `pred` when present, else extracted from `output`: the last
-                <answer>...</answer>, else the last \\boxed{...}, else null
-      response_len  `response_length` / `response_len` when present, else the number of
-                whitespace-separated words of `output` (exact for word-level tokenizers, an
-                underestimate for BPE ones)
+      correct   `acc` when present (a bool, "True"/"False", or a number: acc > 0.5), else
+                score > 0 (score >= correct_threshold with that option)
+      answer    `pred` when present (math_dapo's "[INVALID]" = none), else extracted from
+                `output`: the last <answer>...</answer>, else the last \\boxed{...}, else
+                the last `Answer: X` line (DAPO / R1, what math_dapo parses), else `#### N`
+                (GSM8K, verl's quickstart); `answer_pattern` replaces these. A `pred` that
+                differs from the row's own output's answer on over 20% of rows is warned
+                about: verl-recipe's DAPO trainer dumps the extras in the pre-filter order.
+      response_len  `response_length` / `response_len` when present; with
+                `tokenizer=tokenizer.json`, exact token counts (and truncated = tokens >=
+                max_response_len); else whitespace words of `output`, marked in run.json
+                (response_len_unit "words") so they are never compared with a token cap or
+                with verl's token-based response_length/*: truncation then comes from
+                verl's logged response_length/clip_ratio (`metrics=` the file-logger log).
       every other key (`gts`, `reward`, any reward-extra key): an extra column, numbers as
       float64, strings as they are, nested values as JSON text; a key named like a format-v1
       column (e.g. validation's `reward`) is kept as `raw_<key>`.
@@ -389,12 +405,30 @@ def import_verl_metrics(session: Session) -> None:
     """verl's file logger (`trainer.logger=[file]`): JSON lines `{"step": N, "data": {...}}`,
     one file (or a folder of *.jsonl) -> the steps table only.
 
-    Mapping: actor/grad_norm -> grad_norm, actor/entropy -> entropy, actor/pg_clipfrac ->
-    clip_frac, actor/kl_loss -> kl, actor/pg_loss -> loss, actor/lr -> lr. Every other
-    numeric key is an extra column under its own name (`actor/ppo_kl`, `critic/score/mean`,
-    `response_length/mean`, `response_length/clip_ratio`, ...; rlscope compares the ones it
-    recomputes with them). Non-numeric values (strings, lists, booleans) are dropped and
-    counted in the notes. Several lines of one step (a resumed run) merge, later keys winning.
+    Mapping: actor/grad_norm -> grad_norm, actor/pg_clipfrac -> clip_frac, actor/pg_loss ->
+    loss, actor/lr -> lr (verl/workers/actor/dp_actor.py `update_policy`, mean over
+    micro-batches). A null grad_norm or pg_loss (the orjson writer's NaN) is kept as NaN: the
+    divergence finding reads it.
+      kl        `actor/kl_loss` only where verl computed a KL loss: use_kl_loss (option, else
+                the run's .hydra/config.yaml, else "some step is non-zero"); a series that
+                is 0.0 at every step (KL loss off, the default since 0.7) is "not logged",
+                kept as the extra column actor/kl_loss. Its estimator is kl_loss_type
+                (core_algos.py `kl_penalty`: k1, k2, k3 = low_var_kl, clamped to [-10, 10]).
+                Scale by release: 0.5 the per-token KL averaged over micro-batches; 0.6
+                divided by the gradient-accumulation steps; 0.7 multiplied by mini-batches x
+                epochs (verl PR #5766): `verl_version` says which, `kl_loss_scale` undoes it.
+                Without a KL loss, `actor/reward_kl_penalty` (k1, KL applied in the reward).
+      entropy   `actor/entropy` only with loss_agg_mode token-mean (core_algos.py
+                `agg_loss`); seq-mean-token-sum makes it a per-sequence sum (~70 where the
+                token mean is 1.4): kept as the extra column actor/entropy.
+    Every other numeric key is an extra column under its own name (`actor/ppo_kl`,
+    `critic/score/mean`, `response_length/mean`, `response_length/clip_ratio`, ...:
+    metric_utils.py `compute_data_metrics`, token-based); rlscope reads the logged reward,
+    length and truncation from them when it has no rollouts, and compares the ones it
+    recomputes (never word counts with token figures). DAPO's `train/num_gen_batches` means
+    group filtering was on: the provenance says the dump holds only surviving groups.
+    Non-numeric values (strings, lists, booleans) are dropped and counted in the notes.
+    Several lines of one step (a resumed run) merge, later keys winning.
 
     Combine it with the `verl` importer into one OUT: run.json is kept (the later import only
     adds fields it lacks, e.g. group_size) and import.json keeps one entry per format.
@@ -435,6 +469,8 @@ def _import_metrics_files(source: Path, session: Session) -> None:
 NAN_WHEN_NULL = ("actor/grad_norm", "actor/pg_loss")
 KL_LOSS, REWARD_KL = "actor/kl_loss", "actor/reward_kl_penalty"
 ENTROPY = "actor/entropy"
+#: Keys verl-recipe's DAPO trainer logs when dynamic sampling (group filtering) is on.
+FILTER_KEYS = ("train/num_gen_batches", "batch/solve_none", "batch/solve_all")
 
 
 def _settings(source: Path, session: Session) -> dict[str, Any]:
@@ -530,6 +566,13 @@ def _interpreted(
         provenance["entropy"] = (
             f"actor/entropy is agg_loss(entropy, mask, '{mode}') (core_algos.py agg_loss): not "
             "nats per token, kept as the extra column actor/entropy"
+        )
+    filtering = sorted({k for r in rows for k in r if k.startswith(FILTER_KEYS)})
+    if filtering:
+        provenance["filtering"] = (
+            f"the log has {', '.join(filtering[:3])}: group filtering (DAPO dynamic sampling) "
+            "was on, so the rollout dump holds only the groups that survived it; its zero-σ "
+            "share is after filtering (near 0 by construction), not the policy's"
         )
     if provenance:
         session.meta["provenance"] = provenance
