@@ -440,3 +440,125 @@ def test_correctness_unknown_reason_reaches_the_skip(write_run) -> None:
     report = analyze(path, metrics=["signal.pass_at_1"])
     (skip,) = [s for s in report.skipped if s.metric == "signal.pass_at_1"]
     assert "rollouts.correct" in skip.reason and why in skip.reason
+
+
+def _agent_run(write_run, collapse_from: int | None, steps: int = 30) -> Path:
+    """8 prompts x 8 rollouts a step, coarse actions ["search", "answer"] for everyone; texts
+    all different, or (from `collapse_from` on) one response per group."""
+    rng = np.random.default_rng(1)
+    words = ["look", "up", "the", "capital", "of", "city", "then", "answer", "so", "it", "is"]
+    rows: dict[str, list] = {k: [] for k in ("rollout_id", "step", "prompt_id", "reward")}
+    rows |= {"response_len": [], "response": [], "actions": [], "tool_calls": []}
+    rid = 0
+    for step in range(1, steps + 1):
+        for p in range(8):
+            for i in range(8):
+                same = collapse_from is not None and step >= collapse_from
+                seed = (p, step) if same else (p, step, i)
+                local = np.random.default_rng(abs(hash(seed)) % 2**32)
+                text = " ".join(local.choice(words, 12)) + f" {p}"
+                rows["rollout_id"].append(rid)
+                rows["step"].append(step)
+                rows["prompt_id"].append(f"q{p}")
+                rows["reward"].append(float(rng.random() < 0.5))
+                rows["response_len"].append(13)
+                rows["response"].append(
+                    f"<think>{text}</think><tool_call>{{}}</tool_call><answer>{p}</answer>"
+                )
+                rows["actions"].append(["search", "answer"])
+                rows["tool_calls"].append([f'{{"q": "{text}"}}'])
+                rid += 1
+    return write_run({"rollouts": rows})
+
+
+EXPLORATION = [
+    "exploration.pairwise_diversity",
+    "exploration.unique_frac",
+    "exploration.cluster_sizes",
+]
+
+
+def test_coarse_actions_with_different_texts_are_not_identical(write_run) -> None:
+    report = analyze(_agent_run(write_run, None), metrics=EXPLORATION)
+    assert not [f for f in report.findings if f.id == "diversity-collapse"]
+    assert report.metrics["exploration.unique_frac"].value == 1.0
+    assert "normalised text" in report.metrics["exploration.unique_frac"].source
+
+
+def test_texts_collapsing_under_constant_actions_fire(write_run) -> None:
+    report = analyze(_agent_run(write_run, collapse_from=18), metrics=EXPLORATION)
+    (found,) = [f for f in report.findings if f.id == "diversity-collapse"]
+    assert found.severity == "critical" and len(found.evidence["rollout_ids"]) > 1
+
+
+def _probe_frame(kind: str, unchanged: list[bool], fraction: float | None = None) -> pl.DataFrame:
+    n = len(unchanged)
+    return pl.DataFrame(
+        {
+            "rollout_id": list(range(n)),
+            "step": [1 + i % 10 for i in range(n)],
+            "intervention": [kind] * n,
+            "fraction": [fraction] * n,
+            "unchanged": unchanged,
+        }
+    )
+
+
+def _judge_probes(rule_id: str, probes: pl.DataFrame) -> list[Finding]:
+    rule = RULES[rule_id]
+    params = {k: p.default for k, p in rule.params.items()}
+    ctx = RuleContext(rule, params, None, {}, {}, None, {("probes", ""): probes})  # type: ignore[arg-type]
+    return list(rule.check(ctx))
+
+
+def test_filler_changing_the_answer_is_not_encoded_reasoning() -> None:
+    # What a faithful chain predicts (Lanham et al. §2.3): no warning.
+    filler = _probe_frame("filler", [i % 2 == 0 for i in range(120)])
+    assert _judge_probes("encoded-reasoning", filler) == []
+    paraphrase = _probe_frame("paraphrase", [i % 2 == 0 for i in range(120)])
+    assert ids(_judge_probes("encoded-reasoning", paraphrase)) == ["encoded-reasoning"]
+
+
+def test_few_probes_need_a_clear_share() -> None:
+    # 25% of 24 paraphrases changed: above 20%, but not surely (one-sided 95% bound).
+    few = _probe_frame("paraphrase", [i % 4 != 0 for i in range(24)])
+    assert _judge_probes("encoded-reasoning", few) == []
+    early = _probe_frame("truncate", [i % 10 != 0 for i in range(24)], fraction=0.3)
+    assert _judge_probes("unfaithful-cot", early) == []  # 90% of 24: bound 0.799 < 0.8
+    many = _probe_frame("truncate", [i % 20 != 0 for i in range(400)], fraction=0.3)
+    assert ids(_judge_probes("unfaithful-cot", many)) == ["unfaithful-cot"]
+
+
+def _ood_frame(acc_id: np.ndarray, acc_ood: np.ndarray, n: int = 400) -> pl.DataFrame:
+    steps = list(range(0, 20 * len(acc_id), 20))
+    return pl.DataFrame(
+        {
+            "step": steps,
+            "value": acc_id - acc_ood,
+            "extra_id": acc_id,
+            "extra_ood": acc_ood,
+            "n_id": [n] * len(steps),
+            "n_ood": [n] * len(steps),
+        }
+    )
+
+
+def test_ood_that_still_improves_is_partial_transfer() -> None:
+    # ID +0.25, OOD +0.12: ordinary partial transfer, silent (today: ood-gap fired).
+    frame = _ood_frame(np.linspace(0.45, 0.70, 10), np.linspace(0.40, 0.52, 10))
+    gaps = list(frame["value"])
+    assert (
+        judge("ood-gap", {"generalization.ood_gap": gaps}, {"generalization.ood_gap": frame}) == []
+    )
+
+
+@pytest.mark.parametrize(("end", "trend"), [(0.40, "flat"), (0.30, "falling")])
+def test_ood_that_stalls_or_falls_while_id_rises(end: float, trend: str) -> None:
+    frame = _ood_frame(np.linspace(0.45, 0.70, 10), np.linspace(0.40, end, 10))
+    found = judge(
+        "ood-gap",
+        {"generalization.ood_gap": list(frame["value"])},
+        {"generalization.ood_gap": frame},
+    )
+    assert ids(found) == ["ood-gap"] and found[0].evidence["ood_trend"] == trend
+    assert f"OOD accuracy is {trend}" in found[0].message

@@ -17,10 +17,21 @@ GROUP = ("step", "prompt_id")  # train groups only: split is constant
 #: Pairs per chunk of the vectorised edit-distance DP (bounds its memory).
 PAIR_CHUNK = 20_000
 _BY_ACTIONS = "rollouts.actions: the action sequence"
-_BY_TEXT = "rollouts.response: the normalised text"
+_BY_TEXT = "rollouts.response: the normalised text (with the actions and tool-call arguments)"
 
 
-_TEXT_KEY = {"text_key": pl.col(text.PLAIN).hash()}
+def _trajectory_key(ctx: Context) -> dict[str, pl.Expr]:
+    """A trajectory is everything the rollout did: its normalised text and, when logged, its
+    action sequence and each tool call's arguments. Two rollouts whose texts differ are never
+    one trajectory, whatever their (coarse) action names."""
+    parts = [pl.col(text.PLAIN).hash()]
+    if ctx.run.has("rollouts", "actions"):
+        parts.append(text.sequence_key(pl.col("actions")).fill_null(0))
+    if ctx.run.has("rollouts", "tool_calls"):
+        parts.append(text.sequence_key(pl.col("tool_calls")).fill_null(0))
+    key = parts[0] if len(parts) == 1 else pl.struct(*parts).hash()
+    # A response that is null has no trajectory to compare (left out, as before).
+    return {"trajectory_key": pl.when(pl.col(text.PLAIN).is_not_null()).then(key)}
 _TEXT_SIGNATURE = {e.meta.output_name(): e for e in text.minhash(pl.col(text.PLAIN_SHINGLES))}
 
 
@@ -78,16 +89,19 @@ register_metric(
         layer="L4",
         title="Distinct trajectories per group",
         doc="Per train group (>= 2 rollouts): distinct trajectories / group size, averaged over "
-        "the step's groups. A trajectory is the action sequence (`actions`) when present, else "
-        "the response text lower-cased with whitespace collapsed. 1 = every rollout different; "
+        "the step's groups. A trajectory is everything the rollout did: the response text "
+        "(lower-cased, whitespace collapsed, tags removed) together with its action sequence "
+        "(`actions`) and tool-call arguments (`tool_calls`) when logged; the action sequence "
+        "alone only when there is no text. Coarse actions (tool names without arguments) never "
+        "make two rollouts with different texts identical. 1 = every rollout different; "
         "1/N = all N identical, and GRPO gets no signal from a group of copies.",
         healthy="near 1 for free-text reasoning; a slow decline is normal, a fall to 1/N is not",
         better="up",
         trajectory=True,
         references="seed §5 (L4); Feng et al. 2025, GiGPO (Fig. 5)",
         variants=(
+            _unique_variant("trajectory_key", _trajectory_key, "response", _BY_TEXT),
             _unique_variant("action_key", _ACTION_KEY, "actions", _BY_ACTIONS),
-            _unique_variant("text_key", _TEXT_KEY, "response", _BY_TEXT),
         ),
     )
 )
@@ -131,8 +145,9 @@ register_metric(
         unit="share",
         layer="L4",
         title="Largest identical-trajectory cluster",
-        doc="Rollouts of a train group with identical trajectories (action sequence, else "
-        "normalised text) form a cluster. Per step: the mean share of a group taken by its "
+        doc="Rollouts of a train group with identical trajectories (normalised text with its "
+        "actions and tool-call arguments, see exploration.unique_frac; actions alone only "
+        "without text) form a cluster. Per step: the mean share of a group taken by its "
         "largest cluster (1/N = all distinct, 1 = one mode). The JSON's `cluster_sizes` holds "
         "the distribution of cluster sizes over the run and the final window (GiGPO's Fig. 5: "
         "step-level groups concentrating at size N means exploration is lost).",
@@ -143,20 +158,20 @@ register_metric(
         variants=(
             Variant(
                 "rollouts",
+                ("response",),
+                _largest_cluster("trajectory_key"),
+                _trajectory_key,
+                _BY_TEXT,
+                level="rollout",
+                prelude=_plain,
+            ),
+            Variant(
+                "rollouts",
                 ("actions",),
                 _largest_cluster("action_key"),
                 _ACTION_KEY,
                 _BY_ACTIONS,
                 level="rollout",
-            ),
-            Variant(
-                "rollouts",
-                ("response",),
-                _largest_cluster("text_key"),
-                _TEXT_KEY,
-                _BY_TEXT,
-                level="rollout",
-                prelude=_plain,
             ),
         ),
     )
@@ -291,27 +306,21 @@ register_metric(
         layer="L4",
         title="Within-group pairwise diversity",
         doc="Mean distance between two rollouts of the same train group, averaged over the "
-        "step's groups (>= 2 rollouts). Action sequences (`actions`): Levenshtein distance over "
-        "actions / the longer length (ALFWorld/WebShop style). Text: 1 - Jaccard similarity of "
+        "step's groups (>= 2 rollouts). Text first (it holds what the rollout did, arguments "
+        "included): 1 - Jaccard similarity of "
         "the sets of word 3-grams, estimated with a 32-value MinHash signature per rollout. "
         "MinHash rather than cosine of hashed n-gram vectors because a fixed-size signature "
         "makes the cost linear in tokens (one hash per word, 32 per 3-gram) and the group mean "
         "linear in rollouts (agreeing pairs are counted from value counts, never pair by pair), "
         "and the estimate is unbiased with a known error: standard error sqrt(J(1-J)/32) <= "
-        "0.09 for one pair, less for a group's mean over its pairs. 0 = all identical.",
+        "0.09 for one pair, less for a group's mean over its pairs. Without text, action "
+        "sequences (`actions`): Levenshtein distance over actions / the longer length "
+        "(ALFWorld/WebShop style). 0 = all identical.",
         healthy="high and slowly declining; a fall towards 0 means the group collapsed to one mode",
         better="up",
         trajectory=True,
         references="seed §5 (L4); Broder 1997 (MinHash); Feng et al. 2025, GiGPO",
         variants=(
-            Variant(
-                "rollouts",
-                ("actions",),
-                _edit_diversity,
-                _ACTION_SEQ,
-                "rollouts.actions: normalised edit distance",
-                level="rollout",
-            ),
             Variant(
                 "rollouts",
                 ("response",),
@@ -320,6 +329,14 @@ register_metric(
                 "rollouts.response: 1 - MinHash Jaccard of word 3-grams",
                 level="rollout",
                 prelude=_plain,
+            ),
+            Variant(
+                "rollouts",
+                ("actions",),
+                _edit_diversity,
+                _ACTION_SEQ,
+                "rollouts.actions: normalised edit distance",
+                level="rollout",
             ),
         ),
     )

@@ -16,7 +16,7 @@ def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
     rows = ctx.rollout_rows()
     if rows is None:
         return []
-    key = next((k for k in ("action_key", "text_key") if k in rows.columns), None)
+    key = next((k for k in ("trajectory_key", "action_key") if k in rows.columns), None)
     if key is None:
         return []
     recent = rows.filter(
@@ -39,7 +39,13 @@ def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
     title="Rollouts of a prompt collapse toward one mode",
     doc="Within-group diversity (exploration.pairwise_diversity, else exploration.unique_frac) "
     "fell by at least `min_drop` of its level in the first fifth of the run to the last fifth, "
-    "significantly (z <= -`z` against the step-to-step scatter). Critical when the final "
+    "significantly (z <= -`z` against the step-to-step scatter), from a level that existed: "
+    "the first fifth's diversity must be at least `min_initial` (rollouts that were alike from "
+    "the start did not collapse). Diversity is judged on whole trajectories — the text with "
+    "its actions and tool-call arguments, never coarse action names alone — so rollouts whose "
+    "texts differ are never called identical (seed §4: diversity in trajectory space). The "
+    "z-score uses the run's own step-to-step noise, so it holds at any group size and batch; "
+    "the drop is a share of the run's own level, so at any text length. Critical when the final "
     "share of a group in its largest identical cluster (exploration.cluster_sizes) is at least "
     "`critical_mode_share`. A group of near-copies gives GRPO no contrast to learn from and the "
     "policy stops finding new solutions; healthy runs alternate exploitation and exploration "
@@ -55,6 +61,7 @@ def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
     ),
     params={
         "min_drop": Param(0.5, "share of the initial diversity lost"),
+        "min_initial": Param(0.1, "first-fifth diversity below this is no level to lose"),
         "z": Param(2.0, "significance of the fall (z-score)"),
         "critical_mode_share": Param(0.5, "final largest-cluster share for a critical finding"),
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
@@ -77,7 +84,7 @@ def diversity_collapse(ctx: RuleContext) -> Iterator[Finding]:
     if len(series) < p["min_steps"]:
         return
     w = compare_windows(series)
-    if w.first <= 0 or w.last > (1 - p["min_drop"]) * w.first or w.z > -p["z"]:
+    if w.first < p["min_initial"] or w.last > (1 - p["min_drop"]) * w.first or w.z > -p["z"]:
         return
     modes = ctx.series("exploration.cluster_sizes")
     mode_share = final_mean(modes) if modes is not None and len(modes) else None

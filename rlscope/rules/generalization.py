@@ -27,6 +27,21 @@ def _window(frame: pl.DataFrame) -> tuple[float, float]:
     return float(gap.mean()), math.sqrt(var)
 
 
+def _accuracy(frame: pl.DataFrame, column: str, counts: str) -> tuple[float, float]:
+    """Mean accuracy of the window's eval steps and its standard error (the larger of the
+    binomial error and the step-to-step scatter)."""
+    acc = frame[column].to_numpy().astype(np.float64)
+    n = np.maximum(frame[counts].to_numpy().astype(np.float64), 1.0)
+    var = float((acc * (1 - acc) / n).mean()) / len(acc)
+    if len(acc) > 1:
+        var = max(var, float(acc.var(ddof=1)) / len(acc))
+    return float(acc.mean()), math.sqrt(var)
+
+
+#: One-sided 95%: OOD counts as stalled only when sure it rose less than `transfer_max` x ID.
+ONE_SIDED_95 = 1.645
+
+
 @rule(
     "ood-gap",
     layer="L5",
@@ -35,8 +50,14 @@ def _window(frame: pl.DataFrame) -> tuple[float, float]:
     "gap of the last fifth of eval steps is at least `min_gap`, and it widened by at least "
     "`min_widening` since the first fifth, significantly (z >= `z`, with the larger of the "
     "binomial error of the eval accuracies and the step-to-step scatter as noise). Judged from "
-    "`min_evals` eval steps. The policy is getting better at the training distribution while "
-    "transfer stalls: patterns or memorised answers rather than skills.",
+    "`min_evals` eval steps. And OOD accuracy itself stalls or falls: the upper end of the "
+    "one-sided 95% interval of its rise is below `transfer_max` times ID's rise. OOD that "
+    "keeps improving, only more slowly than ID (half as fast, say), is ordinary partial "
+    "transfer, not a failure to generalise; the "
+    "seed's L5 question (§5, HGPO's ID vs OOD) is whether the policy learns patterns that "
+    "carry over, and OOD stalling while ID rises says it does not. The message says whether "
+    "OOD is flat or falling. Noise from binomial eval counts and the step-to-step scatter, so "
+    "it holds at any eval size and frequency.",
     remedy="add diverse or harder prompts to the training mix; stop at the checkpoint where the "
     "gap was smallest; regularise more (KL); check for prompt overlap between train and eval_id "
     "(a leak inflates ID accuracy).",
@@ -46,6 +67,9 @@ def _window(frame: pl.DataFrame) -> tuple[float, float]:
         "min_widening": Param(0.05, "growth of the gap from the first to the last fifth"),
         "z": Param(2.0, "significance of the widening (z-score)"),
         "min_evals": Param(4, "fewest eval steps to judge"),
+        "transfer_max": Param(
+            0.3, "OOD rising less than this share of ID's rise (one-sided 95% bound) stalls"
+        ),
     },
 )
 def ood_gap(ctx: RuleContext) -> Iterator[Finding]:
@@ -63,14 +87,24 @@ def ood_gap(ctx: RuleContext) -> Iterator[Finding]:
     z = widening / se if se > 0 else math.inf
     if last < p["min_gap"] or widening < p["min_widening"] or z < p["z"]:
         return
+    (ood_first, ood_se_a), (ood, ood_se_b) = (
+        _accuracy(part, "extra_ood", "n_ood") for part in (frame.head(w), frame.tail(w))
+    )
+    id_rise = float(frame.tail(w)["extra_id"].mean() - frame.head(w)["extra_id"].mean())
+    ood_rise, ood_se = ood - ood_first, math.hypot(ood_se_a, ood_se_b)
+    if id_rise <= 0 or ood_rise + ONE_SIDED_95 * ood_se >= p["transfer_max"] * id_rise:
+        return  # OOD still improves (or may) with ID: partial transfer
+    trend = "falling" if ood_rise < -ONE_SIDED_95 * ood_se else "flat"
     steps = frame["step"].to_list()
-    ood = frame.tail(w)["extra_ood"].mean()
     acc_id = frame.tail(w)["extra_id"].mean()
     yield ctx.finding(
-        f"OOD accuracy trails ID by {last:.2f} at the last evals (ID {acc_id:.2f}, OOD "
-        f"{ood:.2f}), up from {first:.2f} at the first (z = {z:.1f}).",
+        f"OOD accuracy is {trend} ({ood_first:.2f} → {ood:.2f}) while ID rose: it trails ID "
+        f"by {last:.2f} at the last evals (ID {acc_id:.2f}), up from {first:.2f} at the first "
+        f"(z = {z:.1f}).",
         gap_first=first,
         gap_last=last,
+        ood=[ood_first, ood],
+        ood_trend=trend,
         z=z,
         steps=[int(steps[0]), int(steps[-1])],
         rollout_ids=_failed_ood(ctx, int(steps[-1])),
@@ -78,7 +112,18 @@ def ood_gap(ctx: RuleContext) -> Iterator[Finding]:
 
 
 def _failed_ood(ctx: RuleContext, step: int) -> list[int]:
-    """Incorrect OOD eval rollouts of the last eval step (a small scan of a few columns)."""
+    """Incorrect OOD eval rollouts of the last eval step: from the per-rollout rows when a
+    metric computed them, else a small scan of a few columns."""
+    rows = ctx.rollout_rows()
+    if rows is not None and "correct" in rows.columns:
+        chosen = rows.filter(
+            (pl.col("step") == step)
+            & pl.col("split").str.starts_with("eval_ood")
+            & ~pl.col("correct")
+        )
+        return [int(i) for i in chosen["rollout_id"].sort().head(5).to_list()]
+    if ctx.run is None:
+        return []
     frame = (
         ctx.run.scan("rollouts")
         .filter(
