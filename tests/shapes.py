@@ -161,7 +161,7 @@ def _spec(shape: str, **kw: Any) -> Spec:
     elif shape == "reward-up-task-down":
         s = replace(
             s,
-            skill=_lin(-0.6, -1.1),
+            skill=_lin(-0.6, -1.0),
             format_ok=_rise(0.3, 0.95),
             entropy=_lin(0.9, 0.5),
             write_correct=True,
@@ -548,7 +548,7 @@ def write_shape(
                 if spec.dapo and np.all(reward == reward[0]) and attempts < 20 * prompts:
                     continue  # DAPO dynamic sampling: zero-σ groups never reach the update
                 group_rows = _group_rows(
-                    spec, pr, rng, step, q, copy, correct, fmt_ok, reward, acc_r, fmt_r, group
+                    spec, pr, rng, step, q, copy, t, correct, fmt_ok, reward, acc_r, fmt_r, group
                 )
                 rows += group_rows
                 groups_logged += 1
@@ -620,6 +620,7 @@ def _group_rows(
     step: int,
     q: float,
     copy: float,
+    t: float,
     correct: np.ndarray,
     fmt_ok: np.ndarray,
     reward: np.ndarray,
@@ -650,8 +651,10 @@ def _group_rows(
                 if spec.constant_actions:
                     n_calls = 1
                 else:
-                    # Search-R1 style: nearly every rollout makes one search; a few re-search
-                    n_calls = 1 if rng.random() >= 0.12 else int(rng.integers(2, 4))
+                    # Search-R1 style: most rollouts search once; re-searching is common early
+                    # and fades as the policy learns to write one good query
+                    research = 0.45 - 0.40 * t
+                    n_calls = 1 if rng.random() >= research else int(rng.integers(2, 4))
                 text, answer, calls = _agent_text(pr, bool(correct[k]), mode, q, rng, n_calls)
                 row.update(
                     actions=["search"] * n_calls + ["answer"],
