@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format samples bench clean
+.PHONY: demo test test-slow test-all lint format samples bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check rlscope tests examples benchmarks
 	$(BIN)/ruff format --check rlscope tests examples benchmarks
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not slow"
+
+# The slow matrices (larger healthy-shape runs); CI runs them after `make test`.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+test-all: test test-slow
 
 format: $(STAMP)
 	$(BIN)/ruff format rlscope tests examples benchmarks
