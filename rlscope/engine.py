@@ -370,11 +370,24 @@ def compute(
         steps = [int(s) for s in frame["step"].to_list()]
         if not any(v is not None for v in values):
             source = aggregates[variant.table, variant.level]
-            skipped.append(Skipped(metric_id, _empty_reason(frame, variant, source)))
+            reason = _empty_reason(frame, variant, source)
             after = metric.variants.index(variant) + 1
-            if not isinstance(choose_variant(metric, run, after), str):
-                fallback[metric_id] = after
-            continue
+            nxt = choose_variant(metric, run, after)
+            found = None if isinstance(nxt, str) else _from_aggregates(nxt, aggregates, context)
+            if isinstance(nxt, str):
+                skipped.append(Skipped(metric_id, reason))
+                continue
+            if found is None:  # its partials were not computed in this pass: one more pass
+                skipped.append(Skipped(metric_id, reason))
+                fallback[metric_id] = metric.variants.index(nxt)
+                continue
+            variant, frame = nxt, found
+            frames[metric_id] = frame
+            values = _floats(frame["value"])
+            steps = [int(s) for s in frame["step"].to_list()]
+            if not any(v is not None for v in values):
+                skipped.append(Skipped(metric_id, _empty_reason(frame, variant, source)))
+                continue
         notes = tuple(
             note
             for column, note in run.derived_columns(variant.table).items()
@@ -401,6 +414,18 @@ def compute(
         again = compute(run, list(fallback), text=text, cache=cache, first_variant=fallback)
         computed = _merged(computed, again, list(catalog))
     return computed
+
+
+def _from_aggregates(
+    variant: Variant, aggregates: dict[tuple[str, str], pl.DataFrame], ctx: Context
+) -> pl.DataFrame | None:
+    """A fallback variant's per-step frame from the partials this pass already computed (the
+    text features are all computed together, so a text fallback usually costs no scan), or
+    None when they were not."""
+    source = aggregates.get((variant.table, variant.level))
+    if source is None or not set(variant.resolve_partials(ctx)) <= set(source.columns):
+        return None
+    return variant.series(source.lazy(), ctx).collect().sort("step")
 
 
 def _merged(main: Computed, again: Computed, order: list[str]) -> Computed:

@@ -411,14 +411,17 @@ def test_masked_tool_tokens_fall_back_to_the_text(write_run) -> None:
         "pos": [0, 1, 0, 1],
         "segment": ["think", "answer", "think", "answer"],
     }
+    path = write_run({"rollouts": rollouts, "tokens": tokens})
     report = analyze(
-        write_run({"rollouts": rollouts, "tokens": tokens}),
-        metrics=["behavior.segment_len.tool_response", "behavior.segment_len.think"],
+        path, metrics=["behavior.segment_len.tool_response", "behavior.segment_len.think"]
     )
     assert report.metrics["behavior.segment_len.tool_response"].value == 4.0
     assert "words inside" in report.metrics["behavior.segment_len.tool_response"].source
     assert report.metrics["behavior.segment_len.think"].value == 1.0  # tokens, as before
     assert not [s for s in report.skipped if s.metric.startswith("behavior.segment_len")]
+    # With every metric, the text features are computed in the same pass: no second one.
+    full = analyze(path)
+    assert full.metrics["behavior.segment_len.tool_response"].value == 4.0
 
 
 def test_kl_stalled_ignores_an_identically_zero_kl() -> None:
