@@ -32,6 +32,8 @@ def _trajectory_key(ctx: Context) -> dict[str, pl.Expr]:
     key = parts[0] if len(parts) == 1 else pl.struct(*parts).hash()
     # A response that is null has no trajectory to compare (left out, as before).
     return {"trajectory_key": pl.when(pl.col(text.PLAIN).is_not_null()).then(key)}
+
+
 _TEXT_SIGNATURE = {e.meta.output_name(): e for e in text.minhash(pl.col(text.PLAIN_SHINGLES))}
 
 
