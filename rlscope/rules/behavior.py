@@ -62,7 +62,7 @@ def entropy_collapse(ctx: RuleContext) -> Iterator[Finding]:
         return
     smooth = rolling_median(entropy.values, 3)
     n = len(smooth)
-    start = float(smooth[: window_size(n, 0.05, 1)].mean())
+    start = float(smooth[: window_size(n, 0.02, 1)].mean())
     end = final_mean(entropy)
     if start <= 0 or not math.isfinite(start):
         return
