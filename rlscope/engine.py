@@ -28,6 +28,8 @@ from rlscope.trajectory import decline_shape
 
 GROUP_KEYS = ("split", "step", "prompt_id")
 ROLLOUT_KEYS = (*GROUP_KEYS, "rollout_id")
+#: The rollouts in a group (the same partial as the metrics' `n`).
+GROUP_SIZE = {"n": pl.len().cast(pl.Int64)}
 PROBE_KEYS = ("rollout_id", "step", "split", "intervention", "fraction")
 FINAL_WINDOW_FRACTION = 0.1
 #: Why a metric is skipped in a run with a steps table and no rollouts table.
@@ -281,6 +283,8 @@ def compute(
     by_level: dict[tuple[str, str], list[Variant]] = {}
     for variant in chosen.values():
         by_level.setdefault((variant.table, variant.level), []).append(variant)
+    if ("rollouts", "") in by_level:  # group sizes, always: the header counts rollouts by them
+        by_level["rollouts", ""].append(Variant("rollouts", (), _no_series, GROUP_SIZE))
     if logged:
         partials = {
             f"logged:{c}": pl.col(c).cast(pl.Float64).mean() for c in dict.fromkeys(logged.values())
@@ -495,7 +499,7 @@ def _logged_columns(
 
 
 def _no_series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
-    raise AssertionError("the logged-columns variant only contributes partials")
+    raise AssertionError("a partials-only variant has no series")
 
 
 def _logged_result(column: str | None, steps: pl.DataFrame | None) -> Logged | None:

@@ -565,3 +565,22 @@ def test_ood_that_stalls_or_falls_while_id_rises(end: float, trend: str) -> None
     )
     assert ids(found) == ["ood-gap"] and found[0].evidence["ood_trend"] == trend
     assert f"OOD accuracy is {trend}" in found[0].message
+
+
+def test_reward_term_series_equal_the_columns_mean(write_run) -> None:
+    rollouts = {
+        "rollout_id": list(range(8)),
+        "step": [1, 1, 1, 1, 2, 2, 2, 2],
+        "prompt_id": ["p"] * 8,
+        "reward": [1.5, 0.5, 1.0, 0.0, 1.5, 1.5, 0.5, 1.0],
+        "response_len": [3] * 8,
+        "format_reward": [0.5, 0.5, 0.0, 0.0, 0.5, 0.5, 0.5, None],
+        "reward_len": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8],
+    }
+    report = analyze(write_run({"rollouts": rollouts}), metrics=["signal.reward.*"])
+    fmt, length = (
+        report.metrics["signal.reward.format_reward"],
+        report.metrics["signal.reward.reward_len"],
+    )
+    assert fmt.steps == (1, 2) and fmt.values == pytest.approx((0.25, 0.5))  # nulls left out
+    assert length.values == pytest.approx((0.25, 0.65))
