@@ -13,8 +13,13 @@ the layers move together as they do in real training:
   advantage = (r − group mean) / (group std + 1e-4).
 * **Entropy** ``H(t)`` (nats/token) drives both the token table and the *text*: a rollout
   deviates from its group's modal phrasing slot by slot with probability ``q = f(H)``, so lower
-  entropy means more shared text within a group (and collapse means copies).
-* **Tokens** (one per word of the response): entropy ~ Gamma(0.6) scaled to ``H(t)``;
+  entropy means more shared text within a group (and collapse means copies). Texts are short by
+  default (``<think> 17 plus 25 so is 42 </think> <answer> 42 </answer>``, 9-12 words, as a
+  small model on an arithmetic task writes: identical responses within a group appear as
+  entropy falls, ~0.7 distinct per group at 0.32 nats); ``text="long"`` writes multi-sentence
+  word-problem reasoning; agent shapes write search calls with their documents.
+* **Tokens** (one per word of the response, <= 16 for short texts): entropy ~ Gamma(0.6)
+  scaled to ``H(t)``;
   ``logprob = -entropy * Gamma(2, 1/2)``; ``old_logprob = logprob - δ`` with Laplace δ whose
   scale is solved for the target clip fraction under TRL's rule (``r < 1-ε`` with ``A < 0`` or
   ``r > 1+ε`` with ``A > 0``; ``δ ≡ 0`` on-policy); ``ref_logprob = logprob + η``,
@@ -121,6 +126,9 @@ class Spec:
     format_ok: Curve | None = None
     divergence_at: float | None = None
     grad_norm: float = 0.6
+    # response style: `short` (<= 16 words, as a small model on an arithmetic task writes;
+    # within-group duplicates appear as entropy falls) or `long` (multi-sentence reasoning)
+    text: str = "short"
 
 
 def _spec(shape: str, **kw: Any) -> Spec:
@@ -128,7 +136,15 @@ def _spec(shape: str, **kw: Any) -> Spec:
     if shape == "base":
         pass
     elif shape == "low-entropy":
-        s = replace(s, entropy=_lin(0.55, 0.38), clip=_lin(0.012, 0.006), kl=_rise(5e-4, 6e-3))
+        # as the real TRL healthy run: entropy ~0.65 -> ~0.35, accuracy to ~0.9 (many solved,
+        # zero-σ groups late), a third of a group sharing one response at the end
+        s = replace(
+            s,
+            entropy=_lin(0.55, 0.32),
+            skill=_rise(-0.2, 2.6),
+            clip=_lin(0.012, 0.006),
+            kl=_rise(5e-4, 6e-3),
+        )
     elif shape == "dapo-dynamic-sampling":
         s = replace(s, dapo=True, clip=_lin(0.015, 0.01))
     elif shape == "pm1-rewards":
@@ -355,7 +371,55 @@ def _detail(idx: int, x: int, p: _Prompt) -> str:
     )
 
 
+_SHORT_WORDS = ("", "", "so", "ok", "hmm", "then", "wait", "first", "carry", "check", "now", "yes")
+
+
+def _short_text(
+    p: _Prompt, correct: bool, mode: _Mode, q: float, rng: np.random.Generator, well_formed: bool
+) -> tuple[str, str]:
+    """`<think> [w] 17 plus 25 [w] is 42 [w] </think> <answer> 42 </answer>`: 9 to 12 words.
+
+    Each filler slot and the operand order follow the group's mode unless the rollout explores
+    (probability q per slot), so identical responses within a group become common only as
+    entropy falls (as in a real small-model run: ~0.93 distinct per group at 0.65 nats,
+    ~0.69 at 0.37)."""
+    x, y = p.a, p.c
+    ans = x + y
+    if not correct:
+        ans = int(rng.choice([ans - 1, ans + 1, ans + 10, ans - 10, abs(x - y), x * 2]))
+        if ans == x + y:
+            ans += 1
+    w = [_pick(_SHORT_WORDS, mode.choices[k], rng, q) for k in range(3)]
+    swap = (mode.choices[3] % 2 == 1) != (rng.random() < q * 0.5)
+    a, b = (y, x) if swap else (x, y)
+    words = [w[0], str(a), "plus", str(b), w[1], "is", str(ans), w[2]]
+    think = " ".join(v for v in words if v)
+    answer = str(ans)
+    if well_formed:
+        return f"<think> {think} </think> <answer> {answer} </answer>", answer
+    kind = rng.integers(0, 3)
+    if kind == 0:
+        return f"<think> {think} <answer> {answer} </answer>", answer
+    if kind == 1:
+        return f"<think> {think} </think> <answer> {answer} </answer> ok", answer
+    return f"{think} </think> <answer> {answer} </answer>", answer
+
+
 def _math_text(
+    p: _Prompt,
+    correct: bool,
+    mode: _Mode,
+    q: float,
+    rng: np.random.Generator,
+    well_formed: bool,
+    style: str = "long",
+) -> tuple[str, str]:
+    if style == "short":
+        return _short_text(p, correct, mode, q, rng, well_formed)
+    return _long_text(p, correct, mode, q, rng, well_formed)
+
+
+def _long_text(
     p: _Prompt, correct: bool, mode: _Mode, q: float, rng: np.random.Generator, well_formed: bool
 ) -> tuple[str, str]:
     bc = p.b * p.c
@@ -472,10 +536,21 @@ def _clip_noise(target: float, adv: np.ndarray, rng: np.random.Generator, eps: f
         d = b * u
         return float(np.mean((pos & (d > hi_cut)) | (neg & (d < lo_cut))))
 
+    if target * adv.shape[0] < 20:
+        # Too few tokens for the target to be met on these draws (e.g. 1e-5 of 1,500 tokens):
+        # solve the expected fraction instead, so most steps clip nothing and a few clip one.
+        fp, fn = float(np.mean(pos)), float(np.mean(neg))
+
+        def expected(b: float) -> float:
+            return 0.5 * (fp * math.exp(-hi_cut / b) + fn * math.exp(lo_cut / b))
+
+        fraction = expected
+    else:
+        fraction = clipped
     lo, hi = 1e-4, 20.0
     for _ in range(40):
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if clipped(mid) < target else (lo, mid)
+        lo, hi = (mid, hi) if fraction(mid) < target else (lo, mid)
     return math.sqrt(lo * hi) * u
 
 
@@ -567,7 +642,7 @@ def write_shape(
                         c = rng.random(2) < float(_sigmoid(s - pr.difficulty))
                         for k in range(2):
                             text, answer = _math_text(
-                                pr, bool(c[k]), _draw_mode(rng, False), q, rng, True
+                                pr, bool(c[k]), _draw_mode(rng, False), q, rng, True, spec.text
                             )
                             eval_rows.append(
                                 dict(
@@ -662,7 +737,9 @@ def _group_rows(
                     n_tool_calls=n_calls,
                 )
             else:
-                text, answer = _math_text(pr, bool(correct[k]), mode, q, rng, bool(fmt_ok[k]))
+                text, answer = _math_text(
+                    pr, bool(correct[k]), mode, q, rng, bool(fmt_ok[k]), spec.text
+                )
             row.update(response=text, answer=answer, response_len=len(text.split()))
         else:
             row = dict(rows[src])

@@ -50,6 +50,13 @@ def test_healthy_shape_raises_no_alarm(tmp_path: Path, shape: str, seed: int) ->
     _healthy(tmp_path, shape, "small", seed)
 
 
+@pytest.mark.parametrize("shape", ["base", "low-entropy", "long-plateau"])
+def test_healthy_shape_with_long_texts_raises_no_alarm(tmp_path: Path, shape: str) -> None:
+    """The same latent runs, written as multi-sentence reasoning (60-90 words a response)."""
+    path = write_shape(tmp_path / shape, shape, seed=0, text="long", **SIZES["small"])
+    assert _alarms(_analyze(path)) == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("shape", HEALTHY_SHAPES)
