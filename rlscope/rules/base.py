@@ -16,6 +16,8 @@ from rlscope.report import Finding, MetricResult
 
 #: Rules that read a trend need at least this many steps with values (overridable per rule).
 MIN_TREND_STEPS = 10
+#: z of a one-sided 95% bound: "surely above" / "surely flat" judgements of small samples.
+ONE_SIDED_95 = 1.645
 #: Steps over which a final window's step-to-step scatter is measured, at least.
 SCATTER_STEPS = 8
 
@@ -197,6 +199,18 @@ def level_severity(level: float, params: Mapping[str, float], se: float = 0.0) -
     if sure < params["warn_at"]:
         return None
     return "critical" if level >= params["critical_at"] else "warn"
+
+
+def final_level(ctx: RuleContext, metric_id: str) -> tuple[Series, float, str] | None:
+    """A metric's final-window level and its severity by the rule's `warn_at`/`critical_at`
+    (judged with the window's standard error), or None when it is short of `min_steps` or
+    below the thresholds."""
+    series = ctx.series(metric_id)
+    if series is None or len(series) < ctx.params.get("min_steps", 1):
+        return None
+    level = final_mean(series)
+    severity = level_severity(level, ctx.params, final_se(series))
+    return None if severity is None else (series, level, severity)
 
 
 def share_se(share: float, units: float, scatter: np.ndarray | None = None) -> float:

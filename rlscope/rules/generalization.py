@@ -10,7 +10,7 @@ import polars as pl
 
 from rlscope.registry import Param, rule
 from rlscope.report import Finding
-from rlscope.rules.base import RuleContext, window_size
+from rlscope.rules.base import ONE_SIDED_95, RuleContext, window_size
 
 
 def _window(frame: pl.DataFrame) -> tuple[float, float]:
@@ -36,10 +36,6 @@ def _accuracy(frame: pl.DataFrame, column: str, counts: str) -> tuple[float, flo
     if len(acc) > 1:
         var = max(var, float(acc.var(ddof=1)) / len(acc))
     return float(acc.mean()), math.sqrt(var)
-
-
-#: One-sided 95%: OOD counts as stalled only when sure it rose less than `transfer_max` x ID.
-ONE_SIDED_95 = 1.645
 
 
 @rule(

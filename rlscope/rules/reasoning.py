@@ -9,6 +9,7 @@ import polars as pl
 from rlscope.registry import Param, rule
 from rlscope.report import Finding
 from rlscope.rules.base import (
+    ONE_SIDED_95,
     RuleContext,
     example_ids,
     final_mean,
@@ -32,8 +33,6 @@ def _later_probes(ctx: RuleContext) -> pl.DataFrame | None:
     return probes.filter(pl.col("step") >= steps[steps.len() // 2])
 
 
-#: Probe counts are small: a share is judged on its one-sided 95% bound (binomial).
-ONE_SIDED_95 = 1.645
 BINOMIAL_NOTE = (
     " Probe counts are small, so a share is judged on its one-sided 95% binomial bound "
     "(share ∓ 1.645·sqrt(share(1-share)/n)) beyond the threshold, and only from `min_probes` "

@@ -10,6 +10,7 @@ from rlscope.registry import Param, rule
 from rlscope.report import Finding
 from rlscope.rules.base import (
     MIN_TREND_STEPS,
+    ONE_SIDED_95,
     RuleContext,
     compare_windows,
     final_mean,
@@ -179,7 +180,6 @@ def mode_collapse(ctx: RuleContext) -> Iterator[Finding]:
 
 
 REWARD_TERMS = "signal.reward.*"
-ONE_SIDED_95 = 1.645
 
 
 @rule(

@@ -14,10 +14,9 @@ from rlscope.rules.base import (
     MIN_TREND_STEPS,
     RuleContext,
     compare_windows,
+    final_level,
     final_mean,
-    final_se,
     final_steps,
-    level_severity,
     pct,
     rolling_median,
     window_size,
@@ -131,12 +130,9 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
     },
 )
 def kl_high(ctx: RuleContext) -> Iterator[Finding]:
-    kl = ctx.series("stability.kl")
-    if kl is None or len(kl) < ctx.params["min_steps"]:
-        return
-    level = final_mean(kl)
-    severity = level_severity(level, ctx.params, final_se(kl))
-    if severity is not None:
+    found = final_level(ctx, "stability.kl")
+    if found is not None:
+        kl, level, severity = found
         yield ctx.finding(
             f"KL to the reference is {level:.3g} nats/token over the last steps: the policy "
             "has drifted far from its starting model.",
@@ -314,13 +310,10 @@ def entropy_clip_conflict_rule() -> Rule:
     },
 )
 def clip_too_high(ctx: RuleContext) -> Iterator[Finding]:
-    clip = ctx.series("stability.clip_frac")
-    if clip is None or len(clip) < ctx.params["min_steps"]:
+    found = final_level(ctx, "stability.clip_frac")
+    if found is None or _low_entropy_high_clip(ctx) is not None:
         return
-    level = final_mean(clip)
-    severity = level_severity(level, ctx.params, final_se(clip))
-    if severity is None or _low_entropy_high_clip(ctx) is not None:
-        return
+    clip, level, severity = found
     yield ctx.finding(
         f"{pct(level)} of tokens are clipped over the last steps: each update moves the policy "
         "far past the trust region.",
