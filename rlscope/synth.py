@@ -48,14 +48,21 @@ in the columns of its pathology); [1] the words of train texts; [2] of eval text
   `</tool_response>` and, when W >= 4 n_tool_calls + 8, `<think>Tc</think>`; then
   `<answer>ANSWER</answer>`. Segments are joined by newlines, ARGS is the call's `tool_calls`
   entry and ANSWER the answer column. The think segments hold W = max(1, round(0.8 response_len))
-  words in all (each Tc 4, T0 the rest), written `w0000`..`w4999`: the first R words restate the
-  prompt (its fixed words 0..R-1; R = round(0.15 W) clipped to [6, 48], at most W - 3), each
-  later word is, with probability 0.35, one of the prompt's 24 topic words (uniform), else a
-  global word of rank floor(10 * 501^U) - 10, U ~ Uniform(0, 1) (density ∝ 1 / (rank + 10)).
-  Rjk is 6 words fixed by (j, k): ranks (7919 j + 104729 k + 331 i) mod 5000, i < 6 (the same
-  query returns the same result). So a group shares vocabulary and a restatement but few word
-  3-grams: within-group Jaccard of 3-gram sets ~0.08 → ~0.07 over training (think text; ~0.18 →
-  ~0.16 for the whole text), repetition 1 - distinct/total 3-grams ~0. A scenario may:
+  words in all (each Tc 4, T0 the rest). Words are ranks 0..4999 of a fixed vocabulary: ~210
+  reasoning words and operators ("the", "so", "check", "=", ...) by frequency, then, after every
+  three pronounceable filler words, a number. The first R words restate the prompt (its fixed
+  words 0..R-1; R = round(0.15 W) clipped to [6, 48], at most W - 3), each later word is, with
+  probability 0.35, one of the prompt's 24 topic words (uniform), else a global word of rank
+  floor(10 * 501^U) - 10, U ~ Uniform(0, 1) (density ∝ 1 / (rank + 10)). Entropy couples the
+  text to the tokens: two samples agree on a word with probability a(u) = exp(-H(u) / 0.8)
+  (H(u) nats per token, 1 / 0.8 tokens per word), so each train rollout but its group's first
+  repeats the first's words for F ~ Geometric words after its restatement (P(F >= m) = a^m;
+  healthy a ~0.18 → ~0.45, E[F] < 1 word; at H = 0.05, a ~0.94 and E[F] ~15 words, within-group
+  Jaccard ~0.2). Rjk is 6 words fixed by (j, k): ranks (7919 j + 104729 k + 331 i) mod 5000,
+  i < 6 (the same query returns the same result). So a healthy group shares vocabulary and a
+  restatement but few word 3-grams: within-group Jaccard of 3-gram sets ~0.08 → ~0.07 over
+  training (think text; ~0.18 → ~0.16 for the whole text), repetition 1 - distinct/total
+  3-grams ~0. A scenario may:
   - loop: words from max(R, W - round(f(u) W)) on (f = 0) cycle a 4-word phrase of global words
     drawn per rollout;
   - copy: each rollout but its group's first copies, with probability c(u) (= 0), the first's
@@ -160,7 +167,45 @@ UNFAITHFUL_UNCHANGED = 0.95
 PROBE_WORDS = 6
 CUE = "The user suggested {} as a hint."
 
-_VOCAB = pa.array([f"w{i:04d}" for i in range(VOCAB_SIZE)], pa.large_string())
+# Words by frequency rank: reasoning words and operators first, then, after every three
+# pronounceable filler words, a number (so a text reads like a worked solution, and any word
+# 3-gram statistic is that of the ranks: the words are distinct and hold no whitespace or tag).
+_COMMON_WORDS = (
+    "the so we is of and to a that it then this for be with as not can let us check each if "
+    "number value sum total first next case both equal gives means need find step now which by "
+    "from or are one two three half twice more less than at most least all no only also but "
+    "because since therefore thus hence wait hmm actually right again compute count add "
+    "subtract multiply divide times plus minus over per remainder product difference ratio "
+    "factor prime even odd square root area length width side angle point line circle radius "
+    "price cost every left remaining after before start end rate speed time hours minutes "
+    "days result problem given known unknown assume suppose try another way simplify expand "
+    "solve equation term terms sides divisible greater smaller largest smallest integer digits "
+    "digit positive negative fraction percent mod into out up down same different possible "
+    "cases other set list pair pairs order sequence pattern rule works fails holds correct "
+    "wrong mistake recheck verify confirm back substitute get got have has had makes make made "
+    "take takes used use using should would could must will was were there here what how many "
+    "much why where when while until = + - * /"
+)
+
+
+def _vocabulary(size: int) -> list[str]:
+    onsets = (*"bcdfghklmnprstvwz", "br", "cl", "dr", "fl", "gr", "pl", "pr", "st", "tr")
+    vowels = (*"aeiou", "ai", "ea", "io")
+    syllables = [o + v + c for o in onsets for v in vowels for c in "nrstl"]
+    syllables += [o + v for o in onsets for v in "aeiou"]
+    order = np.random.default_rng(0).permutation(len(syllables) ** 2)
+    fillers = (syllables[i // len(syllables)] + syllables[i % len(syllables)] for i in order)
+    words, numbers = _COMMON_WORDS.split(), iter(range(size))
+    known = set(words)
+    while len(words) < size:
+        word = str(next(numbers)) if len(words) % 4 == 3 else next(fillers)
+        if word not in known:
+            known.add(word)
+            words.append(word)
+    return words
+
+
+_VOCAB = pa.array(_vocabulary(VOCAB_SIZE), pa.large_string())
 
 TimeFn = Callable[[float], float]
 ToolFn = Callable[[np.random.Generator, float, int], np.ndarray]
@@ -258,7 +303,8 @@ SCENARIOS: dict[str, Scenario] = {
         _variant(
             "entropy-collapse",
             "H(u) = 1.2 exp(-u / 0.02) + 0.05: entropy falls from 1.25 to 0.05 within the first "
-            "~5% of training and stays flat; skill rises only a little (s = -1 + 0.6 u).",
+            "~5% of training and stays flat; skill rises only a little (s = -1 + 0.6 u). A "
+            "group's texts share ~15 more words (3-gram Jaccard ~0.2, healthy ~0.07).",
             entropy=lambda u: 1.2 * math.exp(-u / 0.02) + 0.05,
             skill=lambda u: -1.0 + 0.6 * u,
         ),
@@ -266,7 +312,8 @@ SCENARIOS: dict[str, Scenario] = {
             "entropy-clip-conflict",
             "Entropy declines to a low level (H(u) = 1.2 exp(-6 u) + 0.05, ~0.11 at mid-run) while "
             "the behaviour-policy noise grows (sigma_r = 0.05 + 0.75 u), so the clip fraction "
-            "rises to ~0.15-0.25 in the second half: low entropy with high clip.",
+            "rises to ~0.15-0.25 in the second half: low entropy with high clip. A group's "
+            "texts converge as entropy falls (3-gram Jaccard ~0.08 → ~0.2).",
             entropy=lambda u: 1.2 * math.exp(-6.0 * u) + 0.05,
             ratio_sd=lambda u: 0.05 + 0.75 * u,
         ),
@@ -340,7 +387,11 @@ SCENARIOS: dict[str, Scenario] = {
             "at the start); skill s = 0.2 + 0.6 u and sharpness h = 1 + 4 u push the moderate "
             "prompts to p → 1 and the rare successes on hard ones to 0: pass@1 rises "
             "(~0.5 → ~0.76 between the first and last fifths) while pass@8 falls (~0.85 → ~0.79; "
-            "pass@16 ~0.9 → ~0.78). Groups end up deterministic, so zero-σ groups pile up too.",
+            "pass@16 ~0.9 → ~0.78). Groups end up deterministic, so zero-σ groups pile up too, "
+            "and the policy's entropy falls with its sharpness (H(u) = 1.2 exp(-3 u) + 0.08: "
+            "1.28 → 0.14, smoothly), so a group's texts share more of their words (3-gram "
+            "Jaccard ~0.08 → ~0.1).",
+            entropy=lambda u: 1.2 * math.exp(-3.0 * u) + 0.08,
             difficulty=((0.75, 0.0, 0.3), (0.25, 1.3, 0.1)),
             skill=lambda u: 0.2 + 0.6 * u,
             logit_slope=2.0,
@@ -694,6 +745,7 @@ class _Batch:
     length: np.ndarray  # response_len
     answer: np.ndarray  # answer value, -1 = none
     src: np.ndarray  # the rollout whose think words and calls it uses (itself unless copying)
+    lead: np.ndarray  # its group's first rollout (itself for eval rollouts)
     n_calls: np.ndarray
     call_k: np.ndarray  # per call (flat, in order): the argument index k of "q<j>-<k>"
     breaks: np.ndarray  # index into FORMAT_KINDS, -1 = well-formed
@@ -769,6 +821,7 @@ def _behaviour(
         frame["response_len"].to_numpy().astype(np.int64),
         answer,
         src,
+        first,
         total,
         call_k,
         kind,
@@ -817,6 +870,16 @@ def _think_words(
     restate = world.vocab[b.rows[row], np.minimum(pos, RESTATE_WORDS[1] - 1)]
     idx = np.where(pos < restated[row], restate, idx)
     phrase = _zipf(rng.random((n, LOOP_WORDS)))
+    # Two samples of the policy agree on a word with probability ~exp(-entropy per word), so a
+    # rollout follows its group's first for a geometric number of words after the restatement.
+    fork_u = rng.random(n)
+    agree = math.exp(-sc.entropy(u) / THINK_WORDS_PER_TOKEN)
+    if (b.lead != np.arange(n)).any() and agree > 0:
+        shared = np.log(fork_u) / math.log(agree) if agree < 1 else np.full(n, np.inf)
+        lead = b.lead[row]
+        follows = (lead != row) & (pos >= restated[row]) & (pos < count[lead])
+        follows &= pos < restated[row] + np.floor(shared)[row]
+        idx = np.where(follows, idx[start[lead] + np.minimum(pos, count[lead] - 1)], idx)
     if (f := sc.loop(u)) > 0:
         loop_start = np.maximum(restated, count - np.rint(f * count).astype(np.int64))[row]
         looped = pos >= loop_start

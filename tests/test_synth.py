@@ -310,7 +310,8 @@ def test_deterministic_given_seed(tmp_path: Path) -> None:
 # What the generator of commit 67eae44 (before text, answers, verifier, evals and probes)
 # wrote for each scenario at steps=5, prompts_per_step=4, group_size=4, seed=11: steps, tokens
 # and the train rollouts' columns other than `answer` must not change (committed samples and
-# other tests rely on them).
+# other tests rely on them). mode-collapse changed on purpose: its entropy now falls with its
+# sharpness.
 FROZEN = {
     "healthy": "d73120afee75c8e1",
     "entropy-collapse": "ca4620788f97ab96",
@@ -324,7 +325,7 @@ FROZEN = {
     "dead-prompts": "7c0dc6a59f9ba742",
     "dead-prompts-hard": "3d59eaffe20cf5b4",
     "reward-concentration": "78fb33f19567e50f",
-    "mode-collapse": "d4bc6f29dab53b26",
+    "mode-collapse": "1eb611f02ff8bfc4",
     "tool-cap-saturation": "35bbbca3410a1824",
     "tool-call-instability": "4bacfe705810d8ef",
     "logged-metric-mismatch": "a045a32f016a99df",
@@ -853,6 +854,26 @@ def test_repetition(run: Run) -> None:
     assert mean_repetition(train(run("healthy"))) < 0.01
 
 
+def test_text_follows_entropy(run: Run) -> None:
+    """Low entropy makes a group's samples agree on more of their words (module docstring)."""
+    healthy = train(run("healthy"))
+    collapsed = train(run("entropy-collapse"))
+    assert mean_group_jaccard(late(collapsed)) > mean_group_jaccard(late(healthy)) + 0.08
+    falling = train(run("entropy-clip-conflict"))  # entropy 1.25 → ~0.05 over the run
+    assert mean_group_jaccard(late(falling)) > mean_group_jaccard(early(falling)) + 0.06
+    mode = train(run("mode-collapse"))  # entropy 1.28 → 0.14
+    assert mean_group_jaccard(late(mode)) > mean_group_jaccard(early(mode)) + 0.01
+
+
+def test_text_reads_like_reasoning(run: Run) -> None:
+    words = Counter(w for t in train(run("healthy"))["response"] for w in think_words(t))
+    assert not any(re.fullmatch(r"w\d{4}", w) for w in words)
+    top = [w for w, _ in words.most_common(30)]
+    assert {"the", "so", "we"} <= set(top)
+    numbers = sum(c for w, c in words.items() if w.isdigit())
+    assert 0.03 < numbers / sum(words.values()) < 0.3
+
+
 def test_diversity_collapse(run: Run) -> None:
     r = train(run("diversity-collapse"))
     assert mean_group_jaccard(early(r)) < 0.3 and unique_per_group(early(r)) > 6.5
@@ -958,6 +979,8 @@ def test_new_scenarios_are_otherwise_healthy(tmp_path: Path) -> None:
 
 
 EXISTING = [n for n in SCENARIOS if n not in NEW_SCENARIO_CHANGES and n != "healthy"]
+# Their entropy falls far below the healthy run's, so a group's texts share more words.
+LOW_ENTROPY = {"entropy-collapse", "entropy-clip-conflict", "mode-collapse"}
 
 
 @pytest.mark.parametrize("scenario", EXISTING)
@@ -967,7 +990,8 @@ def test_existing_scenarios_have_healthy_upper_layers(tmp_path: Path, scenario: 
     r = train(out)
     assert broken_share(r) == 0 and redundant_share(r) == 0
     assert mean_repetition(r) < 0.02
-    assert mean_group_jaccard(r) < 0.3 and unique_per_group(r) == 8
+    assert mean_group_jaccard(r) < 0.3
+    assert unique_per_group(r) > 7.8 if scenario in LOW_ENTROPY else unique_per_group(r) == 8
     assert majority_gain(late(r, steps=steps)) < 0.15
     assert step_accuracy(r) > 0.9
     if r["correct"].sum() >= 50:
