@@ -8,10 +8,10 @@ __version__ = "0.1.0"
 
 from rlscope.errors import RlscopeError
 from rlscope.report import Finding, MetricResult, Report, RunInfo, Skipped
-from rlscope.writer import RunWriter
 
 if TYPE_CHECKING:
     from rlscope.comparison import Comparison
+    from rlscope.writer import RunWriter
 
 __all__ = [
     "Finding",
@@ -39,3 +39,12 @@ def compare(paths: list[str], **options: object) -> Comparison:
     from rlscope.comparison import compare as _compare
 
     return _compare(paths, **options)  # type: ignore[arg-type]
+
+
+def __getattr__(name: str) -> object:
+    # The writer loads Polars and pyarrow: only when asked for, so `rlscope --help` stays fast.
+    if name == "RunWriter":
+        from rlscope.writer import RunWriter
+
+        return RunWriter
+    raise AttributeError(f"module 'rlscope' has no attribute {name!r}")

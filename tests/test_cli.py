@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli as rlscope
 
 from rlscope.synth import generate
 
@@ -40,16 +38,6 @@ ISSUE_METRICS = [
     "signal.effective_prompt_frac",
     "signal.medium_adv_share",
 ]
-
-
-def rlscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlscope", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=120,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +153,15 @@ def test_bad_input_exits_2_without_traceback(
     assert result.returncode == 2
     assert needle in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_the_installed_command_in_a_real_process(healthy: Path) -> None:
+    """The other tests run the app in process; this one runs the console script itself."""
+    ok = rlscope("analyze", str(healthy), "--format", "json", process=True)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["findings"] == []
+    bad = rlscope("analyze", str(healthy), "--steps", "9:1", process=True)
+    assert bad.returncode == 2 and "start is after the end" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_bad_run_json_names_the_file(tmp_path: Path, healthy: Path) -> None:

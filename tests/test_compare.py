@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli as rlscope
 
 from rlscope.analysis import analyze
 from rlscope.comparison import (
@@ -24,16 +22,6 @@ from rlscope.render.compare import aligned_sparklines
 ROOT = Path(__file__).resolve().parent.parent
 HEALTHY = ROOT / "sample_logs" / "healthy"
 COLLAPSE = ROOT / "sample_logs" / "entropy-collapse"
-
-
-def rlscope(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlscope", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=120,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 from rlscope.analysis import analyze
 from rlscope.config import Config
-from rlscope.registry import RULES, load_all
+from rlscope.registry import METRICS, RULES, load_all
 from rlscope.report import Report
 from rlscope.synth import SCENARIOS, generate
 
@@ -38,11 +38,32 @@ TOKEN_FINDINGS = {
 }
 
 
-def _run(tmp: Path, scenario: str, size: str, seed: int, tokens: bool) -> Report:
-    path = generate(
-        tmp / f"{scenario}-{size}-{seed}", scenario, seed=seed, tokens=tokens, **HEALTHY_SIZES[size]
+def _needs_text(rule_id: str) -> bool:
+    """Whether one of the rule's metrics can be computed from text (responses or probes, which
+    synth writes only with text=True; its runs have no other source, such as `actions`)."""
+    return any(
+        v.table == "probes" or "response" in v.requires
+        for m in RULES[rule_id].metrics
+        if m in METRICS
+        for v in METRICS[m].variants
     )
-    return analyze(path, config=Config())
+
+
+def _run(
+    tmp: Path, scenario: str, size: str, seed: int, tokens: bool, only: str | None = None
+) -> Report:
+    """Analyse a synth run of `scenario`: every metric, or only those the rule `only` reads (and
+    text only if it needs it): end to end, at a fraction of the cost."""
+    path = generate(
+        tmp / f"{scenario}-{size}-{seed}",
+        scenario,
+        seed=seed,
+        tokens=tokens,
+        text=only is None or _needs_text(only),
+        **HEALTHY_SIZES[size],
+    )
+    metrics = list(RULES[only].metrics) if only else None
+    return analyze(path, config=Config(), metrics=metrics, use_cache=False)
 
 
 def _alarms(report: Report) -> list[str]:
@@ -64,18 +85,40 @@ def test_every_finding_has_a_scenario_or_a_hand_made_test() -> None:
     assert untested == []
 
 
-@pytest.mark.parametrize("size", list(HEALTHY_SIZES))
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# Two healthy runs in the fast suite; the size x seed matrix in the slow one.
+FAST_HEALTHY = {("short-small", 0), ("short-wide", 1)}
+
+
+@pytest.mark.parametrize(
+    ("size", "seed"),
+    [
+        pytest.param(size, seed, marks=() if (size, seed) in FAST_HEALTHY else pytest.mark.slow)
+        for size in HEALTHY_SIZES
+        for seed in (0, 1, 2)
+    ],
+)
 def test_healthy_run_raises_no_alarm(tmp_path: Path, size: str, seed: int) -> None:
     report = _run(tmp_path, "healthy", size, seed, tokens=seed == 0)
     assert _all(report) == []  # not even an info finding
 
 
+@pytest.mark.parametrize("scenario", sorted(EXPECTED))
+def test_finding_fires_on_its_scenario(tmp_path: Path, scenario: str) -> None:
+    """End to end on a small run, computing only the metrics the rule reads."""
+    expected = EXPECTED[scenario]
+    only = _run(tmp_path, scenario, "short-small", 3, expected in TOKEN_FINDINGS, only=expected)
+    _assert_fires(only, expected)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("size", list(SIZES))
 @pytest.mark.parametrize("scenario", sorted(EXPECTED))
-def test_finding_fires_on_its_scenario(tmp_path: Path, scenario: str, size: str) -> None:
+def test_finding_fires_in_the_full_report(tmp_path: Path, scenario: str, size: str) -> None:
     expected = EXPECTED[scenario]
-    report = _run(tmp_path, scenario, size, seed=3, tokens=expected in TOKEN_FINDINGS)
+    _assert_fires(_run(tmp_path, scenario, size, 3, tokens=expected in TOKEN_FINDINGS), expected)
+
+
+def _assert_fires(report: Report, expected: str) -> None:
     fired = {f.id: f for f in report.findings}
     assert expected in fired, f"{expected} did not fire; got {_alarms(report)}"
     finding = fired[expected]
@@ -91,8 +134,8 @@ def test_finding_fires_on_its_scenario(tmp_path: Path, scenario: str, size: str)
 
 
 def test_dead_prompts_says_which_side(tmp_path: Path) -> None:
-    easy = _run(tmp_path, "dead-prompts", "short-small", 0, tokens=False)
-    hard = _run(tmp_path, "dead-prompts-hard", "short-small", 0, tokens=False)
+    easy = _run(tmp_path, "dead-prompts", "short-small", 0, tokens=False, only="dead-prompts")
+    hard = _run(tmp_path, "dead-prompts-hard", "short-small", 0, tokens=False, only="dead-prompts")
     easy_f = next(f for f in easy.findings if f.id == "dead-prompts")
     hard_f = next(f for f in hard.findings if f.id == "dead-prompts")
     assert easy_f.evidence["side"] == "too easy" and "too easy" in easy_f.message
@@ -100,7 +143,7 @@ def test_dead_prompts_says_which_side(tmp_path: Path) -> None:
 
 
 def test_grad_spike_names_the_extreme_rollouts(tmp_path: Path) -> None:
-    report = _run(tmp_path, "grad-spike", "long-wide", 0, tokens=False)
+    report = _run(tmp_path, "grad-spike", "short-small", 0, tokens=False, only="grad-spike")
     spike = next(f for f in report.findings if f.id == "grad-spike")
     rollouts = spike.evidence["rollouts"]
     assert set(rollouts) == set(spike.evidence["steps"])
@@ -139,9 +182,10 @@ def test_finding_names_rollouts_of_the_run(tmp_path: Path, scenario: str) -> Non
     """The evidence names example rollouts that exist, so a person can open them."""
     import polars as pl
 
-    path = generate(tmp_path / scenario, scenario, seed=5, tokens=False, **SIZES["short-small"])
-    finding = next(f for f in analyze(path, config=Config()).findings if f.id == scenario)
+    report = _run(tmp_path, scenario, "short-small", 5, tokens=False, only=scenario)
+    finding = next(f for f in report.findings if f.id == scenario)
     ids = finding.evidence["rollout_ids"]
     assert ids and len(ids) == len(set(ids))
+    path = tmp_path / f"{scenario}-short-small-5"
     known = pl.scan_parquet(path / "rollouts" / "*.parquet").select("rollout_id").collect()
     assert set(ids) <= set(known["rollout_id"].to_list())

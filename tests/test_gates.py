@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli as rlscope
 
 from rlscope.analysis import analyze
 from rlscope.errors import RlscopeError
@@ -26,17 +24,6 @@ min = 0.2
 min = 0.3
 severity = "critical"
 """
-
-
-def rlscope(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlscope", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=120,
-        cwd=cwd,
-    )
 
 
 def gates_file(tmp_path: Path, text: str, name: str = "gates.toml") -> Path:

@@ -13,12 +13,11 @@ import json
 import math
 import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
+from conftest import run_cli
 
 import rlscope
 from rlscope.importers import import_run
@@ -353,26 +352,14 @@ def test_eval_rows_in_train_file_left_out(tmp_path: Path) -> None:
 def test_provenance_in_analyze_text_json_and_html(tmp_path: Path) -> None:
     out = tmp_path / "out"
     import_run("trl", TINY, out)
-    cli = [sys.executable, "-m", "rlscope"]
-    env = {"COLUMNS": "200", "PATH": "/usr/bin:/bin"}
-    text = subprocess.run(
-        [*cli, "analyze", str(out), "--fail-on", "never"], capture_output=True, text=True, env=env
-    )
+    text = run_cli("analyze", str(out), "--fail-on", "never")
     assert text.returncode == 0, text.stderr
     assert "how: correct" in text.stdout and "accuracy_reward > 0" in text.stdout
-    as_json = subprocess.run(
-        [*cli, "analyze", str(out), "-f", "json", "--fail-on", "never"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    doc = json.loads(as_json.stdout)
+    doc = json.loads(run_cli("analyze", str(out), "-f", "json", "--fail-on", "never").stdout)
     assert doc["run"]["provenance"]["correct"].startswith("accuracy_reward > 0")
     assert next(iter(doc["run"]["provenance"])) == "correct"
     html_path = tmp_path / "r.html"
-    done = subprocess.run(
-        [*cli, "report", str(out), "-o", str(html_path)], capture_output=True, text=True, env=env
-    )
+    done = run_cli("report", str(out), "-o", str(html_path))
     assert done.returncode == 0, done.stderr
     assert "accuracy_reward &gt; 0" in html_path.read_text()
 

@@ -6,16 +6,14 @@ import builtins
 import hashlib
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import CliResult, run_cli
 from rich.console import Console
 
 from rlscope.analysis import analyze
@@ -57,20 +55,8 @@ ENTROPY_5 = [0.5, 0.25, 2.5, 0.125, 1.0, 0.75, 0.0, 3.0, 1.5, 0.5, 0.25, 2.0, 0.
 SEGMENT_5 = ["think"] * 6 + ["tool_call"] * 3 + ["tool_response"] * 2 + ["answer"] * 2
 
 
-def _rlscope_command() -> list[str]:
-    script = Path(sys.executable).with_name("rlscope")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "rlscope"]
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
-    return subprocess.run(
-        [*_rlscope_command(), *args],
-        capture_output=True,
-        text=True,
-        env={**base, "COLUMNS": "160", **(env or {})},
-        timeout=120,
-    )
+def cli(*args: str, env: dict[str, str] | None = None) -> CliResult:
+    return run_cli(*args, env=env, columns=160)
 
 
 def fingerprint(root: Path) -> dict[str, tuple[int, str]]:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from conftest import run_cli as rlscope
 from rich.console import Console
 
 from rlscope.config import Config
@@ -140,16 +138,6 @@ def test_a_passing_check_has_no_failures() -> None:
     assert root.get("failures") == "0"
     assert render(result, "github").splitlines()[-1].startswith("::notice title=rlscope::")
     assert "✅" in render(result, "markdown")
-
-
-def rlscope(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlscope", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=120,
-    )
 
 
 @pytest.mark.parametrize("format", FORMATS)

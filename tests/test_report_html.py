@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_cli as rlscope
 
 from rlscope.analysis import analyze
 from rlscope.plots import PlotData, pass_at_k, plot_data
@@ -204,16 +203,6 @@ def test_report_renders_in_headless_chromium_and_no_data_script_runs(
     assert names.count("svg") >= 20
     ids = {attrs.get("id") for _, attrs in tags.tags}
     assert set(EXPECTED_CHARTS) <= ids
-
-
-def rlscope(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlscope", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
-        timeout=120,
-    )
 
 
 def test_cli_report(runs: tuple[Path, Path], tmp_path: Path) -> None:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_cli as rlscope
 from rich.console import Console
 
 from rlscope.render.sanitize import safe_text
@@ -28,17 +26,6 @@ SGR = re.compile(r"\x1b\[[0-9;]*m")
 # What Rich's own live display (the progress bar on a forced terminal) writes besides SGR.
 RICH_CONTROL = re.compile(r"\x1b\[\?25[lh]|\x1b\[2K|\x1b\[\d*[ABCDG]|\r")
 RICH_OUTPUT = re.compile(f"{SGR.pattern}|{RICH_CONTROL.pattern}")
-
-
-def rlscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
-    return subprocess.run(
-        [sys.executable, "-m", "rlscope", *args],
-        capture_output=True,
-        text=True,
-        env={**base, "COLUMNS": "200", **(env or {})},
-        timeout=120,
-    )
 
 
 def assert_clean(text: str, *, allowed: re.Pattern[str] | None = None) -> None:
