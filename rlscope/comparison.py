@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from rlscope import windows
 from rlscope.config import Config
-from rlscope.engine import FINAL_WINDOW_FRACTION
 from rlscope.errors import RlscopeError
 from rlscope.report import Report, json_safe, severity_rank
+from rlscope.windows import FINAL_FRACTION, MIN_STEPS
 
 ALIGNS = ("step", "progress")
 #: The bootstrap: resamples, confidence level and seed (fixed: the same runs give the same output).
@@ -21,7 +22,7 @@ BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
 SEED = 0
 #: Fewest per-step values resampled from each run's final window.
-MIN_WINDOW_POINTS = 3
+MIN_WINDOW_POINTS = MIN_STEPS
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Comparison:
                 "resamples": BOOTSTRAP_RESAMPLES,
                 "confidence": CONFIDENCE,
                 "seed": SEED,
-                "window": f"last {FINAL_WINDOW_FRACTION:.0%} of each run's steps, at least "
+                "window": f"last {FINAL_FRACTION:.0%} of each run's steps, at least "
                 f"{MIN_WINDOW_POINTS}",
             },
             "runs": [
@@ -237,11 +238,8 @@ def _aligned(steps: tuple[int, ...], report: Report, align: str) -> tuple[float,
 
 
 def final_window(values: Sequence[float | None]) -> list[float]:
-    """The per-step values the bootstrap resamples: the last 10% of the defined ones, at least
-    MIN_WINDOW_POINTS (all of them when there are fewer)."""
-    valid = [v for v in values if v is not None and math.isfinite(v)]
-    n = max(MIN_WINDOW_POINTS, math.ceil(FINAL_WINDOW_FRACTION * len(valid)))
-    return valid[-n:]
+    """The per-step values the bootstrap resamples: the final window of the defined ones."""
+    return windows.final_window([v for v in values if v is not None and math.isfinite(v)])
 
 
 def bootstrap_difference(

@@ -25,13 +25,13 @@ from rlscope.report import Logged, MetricResult, Skipped
 from rlscope.text import TextSettings
 from rlscope.tokenscan import ROWS, Mapper, PartialCache, ScanStats, TokenPlan, scan_tokens
 from rlscope.trajectory import decline_shape
+from rlscope.windows import final_window
 
 GROUP_KEYS = ("split", "step", "prompt_id")
 ROLLOUT_KEYS = (*GROUP_KEYS, "rollout_id")
 #: The rollouts in a group (the same partial as the metrics' `n`).
 GROUP_SIZE = {"n": pl.len().cast(pl.Int64)}
 PROBE_KEYS = ("rollout_id", "step", "split", "intervention", "fraction")
-FINAL_WINDOW_FRACTION = 0.1
 #: Why a metric is skipped in a run with a steps table and no rollouts table.
 STEPS_ONLY = "no rollouts table: the trainer logged step metrics only"
 #: Rows per streaming morsel of the per-rollout text query (Polars' default is ~100k rows:
@@ -462,12 +462,9 @@ def _empty_reason(frame: pl.DataFrame, variant: Variant, source: pl.DataFrame) -
 
 
 def final_window_mean(values: list[float | None]) -> float | None:
-    """Summary value: mean over the last 10% of the metric's (non-null) steps, at least one."""
-    valid = [v for v in values if v is not None]
-    if not valid:
-        return None
-    n = max(1, math.ceil(FINAL_WINDOW_FRACTION * len(valid)))
-    return sum(valid[-n:]) / n
+    """Summary value: mean over the final window (rlscope.windows) of the non-null steps."""
+    window = final_window([v for v in values if v is not None])
+    return sum(window) / len(window) if window else None
 
 
 def _floats(series: pl.Series) -> list[float | None]:

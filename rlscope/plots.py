@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from rlscope.engine import FINAL_WINDOW_FRACTION
 from rlscope.reader import open_run, scan_error, valid_rollout
+from rlscope.windows import window_size
 
 LENGTH_BINS = 12
 SIGMA_BINS = 16
@@ -133,7 +133,7 @@ def _pass_curve(groups: pl.DataFrame, group_size: object) -> PassCurve | None:
     if n_max is None:
         n_max = int(sizes.mode().sort().item(-1))
     steps = sorted(int(s) for s in groups["step"].unique().to_list())
-    window = max(1, math.ceil(FINAL_WINDOW_FRACTION * len(steps)))
+    window = window_size(len(steps))
     early_steps, final_steps = steps[:window], steps[-window:]
     ks = tuple(range(1, n_max + 1))
 

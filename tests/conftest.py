@@ -104,8 +104,9 @@ def write_run(tmp_path: Path) -> WriteRun:
 
 
 def final_window(values: Sequence[float]) -> float:
-    """The summary, computed independently: mean of the last 10% of values, at least one."""
-    n = max(1, math.ceil(len(values) / 10))
+    """The summary, computed independently: mean of the last 10% of values, at least 3 (all
+    of them when there are fewer)."""
+    n = min(len(values), max(3, math.ceil(len(values) / 10)))
     tail = list(values)[-n:]
     return sum(tail) / len(tail)
 

@@ -141,7 +141,7 @@ def test_trl_callback_example(tmp_path: Path) -> None:
     assert m["signal.reward"].value == pytest.approx(m["signal.reward"].logged.value)
     assert m["signal.zero_std_frac"].value == pytest.approx(m["signal.zero_std_frac"].logged.value)
     assert 0 < m["signal.pass_at_1"].value <= m["signal.pass_at_k"].value <= 1
-    assert m["behavior.entropy"].value == pytest.approx(0.9 - 0.3 * 11.5 / 12)  # logged, last 2
+    assert m["behavior.entropy"].value == pytest.approx(0.9 - 0.3 * 11 / 12)  # logged, last 3
     assert m["stability.kl"].value is not None
     assert report.run.n_groups == 12 * 4
     assert no_temporary_files(run)
@@ -426,7 +426,7 @@ def test_verl_example_imports(tmp_path: Path) -> None:
     assert report.run.n_groups == 8 * 4
     assert 0 < m["signal.pass_at_1"].value <= m["signal.pass_at_k"].value <= 1
     assert m["signal.pass_at_k"].extra["k"] == 8
-    assert m["behavior.entropy"].value == pytest.approx(0.9 - 0.3 * 1.0)  # actor/entropy, last
+    assert m["behavior.entropy"].value == pytest.approx(0.9 - 0.3 * 7 / 8)  # actor/entropy, last 3
     assert m["signal.reward"].logged is not None  # critic/score/mean beside the recomputation
 
 

@@ -383,7 +383,8 @@ def test_entropy_p80_matches_numpy_quantile(write_run: WriteRun) -> None:
     assert result.steps == tuple(range(1, 7))
     for step, value in zip(result.steps, result.values, strict=True):
         assert value == pytest.approx(expected[step], abs=half_bin(expected[step])), step
-    assert result.value == pytest.approx(expected[6], abs=half_bin(expected[6]))
+    final = [expected[s] for s in (4, 5, 6)]
+    assert result.value == pytest.approx(np.mean(final), abs=max(map(half_bin, final)))
 
 
 def test_entropy_p80_rank_convention(write_run: WriteRun) -> None:

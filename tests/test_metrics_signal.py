@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import final_window
 
 from rlscope.engine import compute
 from rlscope.reader import open_run
@@ -148,11 +149,6 @@ def grpo_weight(reward: np.ndarray) -> float:
     if reward.size < 2 or np.std(reward, ddof=1) == 0:
         return 0.0
     return float(np.abs(reward - reward.mean()).sum() / (np.std(reward, ddof=1) + 1e-6))
-
-
-def final_window(values: list[float]) -> float:
-    n = max(1, math.ceil(len(values) / 10))
-    return sum(values[-n:]) / n
 
 
 def summary(expected: Expected) -> float:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import final_window
 
 from rlscope.engine import compute
 from rlscope.reader import open_run
@@ -60,11 +61,6 @@ def make_tokens(
     return {k: v for k, v in cols.items() if k not in drop}
 
 
-def final_window(values: list[float]) -> float:
-    n = max(1, math.ceil(len(values) / 10))
-    return sum(values[-n:]) / n
-
-
 def per_step(tokens: dict[str, np.ndarray], fn: Any) -> dict[int, float | None]:
     """{step: fn(mask)} for every step of the tokens."""
     return {int(s): fn(tokens["step"] == s) for s in np.unique(tokens["step"])}
@@ -108,7 +104,7 @@ def test_loss_and_grad_norm_are_step_means(write_run: WriteRun, check_series: Ch
         assert result.source == f"steps.{name} as logged"
 
 
-def test_summary_is_mean_of_last_tenth_of_defined_steps(
+def test_summary_is_the_final_window_of_defined_steps(
     write_run: WriteRun, check_series: CheckSeries
 ) -> None:
     # 25 defined steps -> the summary is the mean of the last 3; undefined steps don't count.
@@ -118,10 +114,12 @@ def test_summary_is_mean_of_last_tenth_of_defined_steps(
     result = compute(open_run(path)).results["stability.loss"]
     assert result.value == pytest.approx((23 + 24 + 25) / 3, rel=1e-12)
     check_series(result, {s: float(s) for s in range(1, 26)})
-    # Fewer than 10 steps: the last one.
+    # Fewer than 30 steps: the last 3 (the window the findings judge), all of them below 3.
     path = write_run({"rollouts": rollouts_for([1]), "steps": rows[:4]})
-    assert compute(open_run(path)).results["stability.loss"].value == 4.0
-    assert final_window([1.0, 2.0, 3.0, 4.0]) == 4.0
+    assert compute(open_run(path)).results["stability.loss"].value == 3.0
+    path = write_run({"rollouts": rollouts_for([1]), "steps": rows[:2]})
+    assert compute(open_run(path)).results["stability.loss"].value == 1.5
+    assert final_window([1.0, 2.0, 3.0, 4.0]) == 3.0
 
 
 def test_loss_skipped_without_steps_table(write_run: WriteRun) -> None:

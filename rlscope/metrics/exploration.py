@@ -12,6 +12,7 @@ from rlscope import text
 from rlscope.engine import Context
 from rlscope.metrics._common import train
 from rlscope.registry import Metric, Variant, register_metric
+from rlscope.windows import window_size
 
 GROUP = ("step", "prompt_id")  # train groups only: split is constant
 #: Pairs per chunk of the vectorised edit-distance DP (bounds its memory).
@@ -128,7 +129,7 @@ def _cluster_histogram(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
     if frame.height == 0:
         return {}
     frame = frame.sort("step")
-    tail = frame.tail(max(1, -(-frame.height // 10)))
+    tail = frame.tail(window_size(frame.height))
 
     def histogram(part: pl.DataFrame) -> dict[str, int]:
         counts = Counter(int(s) for sizes in part["sizes"].to_list() for s in sizes)

@@ -13,6 +13,7 @@ import polars as pl
 from rlscope.reader import Run
 from rlscope.registry import Rule
 from rlscope.report import Finding, MetricResult
+from rlscope.windows import TREND_FRACTION, window_size
 
 #: Rules that read a trend need at least this many steps with values (overridable per rule).
 MIN_TREND_STEPS = 10
@@ -65,11 +66,7 @@ class Windows:
         return self.delta < 0 and self.z <= -z
 
 
-def window_size(n: int, fraction: float = 0.2, minimum: int = 3) -> int:
-    return min(n, max(minimum, math.ceil(fraction * n)))
-
-
-def compare_windows(series: Series, fraction: float = 0.2) -> Windows:
+def compare_windows(series: Series, fraction: float = TREND_FRACTION) -> Windows:
     """First vs last window (each `fraction` of the steps, >= 3): delta and a z-score whose noise
     is the step-to-step scatter within each window (so it holds at any batch size)."""
     n = len(series)
@@ -94,17 +91,18 @@ def _var(x: np.ndarray) -> float:
     return float(x.var(ddof=1)) if len(x) > 1 else 0.0
 
 
-def final_mean(series: Series, fraction: float = 0.1, minimum: int = 3) -> float:
-    return float(series.values[-window_size(len(series), fraction, minimum) :].mean())
+def final_mean(series: Series) -> float:
+    """The final-window mean: the metric's summary value (rlscope.windows)."""
+    return float(series.values[-window_size(len(series)) :].mean())
 
 
-def final_se(series: Series, fraction: float = 0.1, minimum: int = 3) -> float:
+def final_se(series: Series) -> float:
     """Standard error of `final_mean` from the step-to-step scatter: the sampling error of a
     small batch (few groups or rollouts a step) shows up as scatter between steps, so a level
     judged against it holds at any batch size. The scatter is measured over at least
     SCATTER_STEPS steps (a standard deviation of 3 values is itself too noisy to judge by) and
     applied to the window's own length. 0 for a one-step window."""
-    w = window_size(len(series), fraction, minimum)
+    w = window_size(len(series))
     spread = series.values[-max(w, min(len(series), SCATTER_STEPS)) :]
     return float(spread.std(ddof=1) / math.sqrt(w)) if len(spread) > 1 else 0.0
 
@@ -186,9 +184,9 @@ def example_ids(
     return [int(v) for v in matching["rollout_id"].head(n).to_list()]
 
 
-def final_steps(series: Series, fraction: float = 0.2, minimum: int = 3) -> int:
-    """The first step of the final window (`fraction` of the series' steps, at least `minimum`)."""
-    return int(series.steps[-window_size(len(series), fraction, minimum)])
+def final_steps(series: Series) -> int:
+    """The first step of the final window."""
+    return int(series.steps[-window_size(len(series))])
 
 
 def level_severity(level: float, params: Mapping[str, float], se: float = 0.0) -> str | None:

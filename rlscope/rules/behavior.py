@@ -17,12 +17,13 @@ from rlscope.rules.base import (
     example_ids,
     final_mean,
     final_se,
+    final_steps,
     level_severity,
     pct,
     pooled_corr,
     rolling_median,
-    window_size,
 )
+from rlscope.windows import window_size
 
 
 @rule(
@@ -229,7 +230,7 @@ def _level_rule(
     evidence = {}
     rows = ctx.rollout_rows()
     if examples is not None and rows is not None:
-        first = int(series.steps[-window_size(len(series), 0.1)])
+        first = final_steps(series)
         recent = rows.filter((pl.col("split") == "train") & (pl.col("step") >= first))
         evidence["rollout_ids"] = examples(recent)
     yield ctx.finding(

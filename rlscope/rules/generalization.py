@@ -10,7 +10,8 @@ import polars as pl
 
 from rlscope.registry import Param, rule
 from rlscope.report import Finding
-from rlscope.rules.base import ONE_SIDED_95, RuleContext, window_size
+from rlscope.rules.base import ONE_SIDED_95, RuleContext
+from rlscope.windows import TREND_FRACTION, window_size
 
 
 def _window(frame: pl.DataFrame) -> tuple[float, float]:
@@ -76,7 +77,7 @@ def ood_gap(ctx: RuleContext) -> Iterator[Finding]:
     frame = frame.filter(pl.col("value").is_not_null()).sort("step")
     if frame.height < p["min_evals"]:
         return
-    w = window_size(frame.height, 0.2, minimum=1)
+    w = window_size(frame.height, TREND_FRACTION, minimum=1)
     (first, se_first), (last, se_last) = _window(frame.head(w)), _window(frame.tail(w))
     widening = last - first
     se = math.hypot(se_first, se_last)

@@ -16,8 +16,8 @@ from rlscope.rules.base import (
     level_severity,
     pct,
     share_se,
-    window_size,
 )
+from rlscope.windows import TREND_FRACTION, window_size
 
 
 def _later_probes(ctx: RuleContext) -> pl.DataFrame | None:
@@ -254,7 +254,7 @@ def self_consistency_headroom(ctx: RuleContext) -> Iterator[Finding]:
     if frame is None or frame.height == 0:
         return
     frame = frame.filter(pl.col("value").is_not_null()).sort("step")
-    window = frame.tail(window_size(frame.height, 0.2))
+    window = frame.tail(window_size(frame.height, TREND_FRACTION))
     gap = float(window["value"].mean())
     maj = float(window["extra_maj_at_n"].mean())
     mean = float(window["extra_mean_accuracy"].mean())

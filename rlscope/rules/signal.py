@@ -17,8 +17,8 @@ from rlscope.rules.base import (
     level_severity,
     pct,
     share_se,
-    window_size,
 )
+from rlscope.windows import TREND_FRACTION, window_size
 
 
 @rule(
@@ -78,7 +78,7 @@ def _final_share(frame: pl.DataFrame, n_steps: int) -> tuple[float, float, int]:
     """A per-step group share pooled over the final window (weighted by the step's groups),
     its standard error, and the window's first step."""
     frame = frame.filter(pl.col("value").is_not_null()).sort("step")
-    window = frame.tail(window_size(n_steps, 0.1))
+    window = frame.tail(window_size(n_steps))
     groups = window["groups"].cast(pl.Float64).to_numpy()
     values = window["value"].cast(pl.Float64).to_numpy()
     level = float((values * groups).sum() / groups.sum())
@@ -109,7 +109,7 @@ def reward_concentration(ctx: RuleContext) -> Iterator[Finding]:
     if frame is None or frame.height == 0:
         return
     steps = frame["step"].sort()
-    first = int(steps[-window_size(len(steps), 0.2)])
+    first = int(steps[-window_size(len(steps), TREND_FRACTION)])
     # Pooled over the window's groups: one step of a small batch has too few live groups for
     # the share to fall far (it cannot go below 1 / live groups).
     sums = (

@@ -19,8 +19,8 @@ from rlscope.rules.base import (
     final_steps,
     pct,
     rolling_median,
-    window_size,
 )
+from rlscope.windows import window_size
 
 
 @rule(
@@ -138,7 +138,7 @@ def kl_high(ctx: RuleContext) -> Iterator[Finding]:
             "has drifted far from its starting model.",
             severity=severity,
             final_kl=level,
-            steps=[final_steps(kl, 0.1), int(kl.steps[-1])],
+            steps=[final_steps(kl), int(kl.steps[-1])],
         )
 
 
@@ -319,7 +319,7 @@ def clip_too_high(ctx: RuleContext) -> Iterator[Finding]:
         "far past the trust region.",
         severity=severity,
         clip_frac_end=level,
-        steps=[final_steps(clip, 0.1), int(clip.steps[-1])],
+        steps=[final_steps(clip), int(clip.steps[-1])],
     )
 
 
