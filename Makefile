@@ -19,6 +19,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check rlscope tests examples benchmarks
 	$(BIN)/ruff format --check rlscope tests examples benchmarks
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -m "not slow"
 
 # The slow matrices (larger healthy-shape runs); CI runs them after `make test`.

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -62,7 +62,7 @@ def _markup_safe(text: object) -> str:
     return escape(safe_text(text))
 
 
-def _fail(exc: RlscopeError) -> None:
+def _fail(exc: RlscopeError) -> NoReturn:
     # The message may span lines (a quoted parser error, the hint); controls are escaped.
     message = f"error: {safe_text(exc.message, multiline=True)}"
     if exc.hint:
@@ -540,8 +540,8 @@ def formats(
 
     out = _stdout()
     if name is None:
-        for importer in IMPORTERS.values():
-            out.print(f"{importer.name:14} {importer.summary}", markup=False)
+        for listed in IMPORTERS.values():
+            out.print(f"{listed.name:14} {listed.summary}", markup=False)
         out.print("`rlscope formats NAME` shows the mapping and options.", markup=False)
         return
     importer = IMPORTERS.get(name)

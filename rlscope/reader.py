@@ -28,7 +28,7 @@ from rlscope.schema import RUN_FIELDS, RUN_JSON, SCHEMA_VERSION, TABLES, Column,
 _INT_TYPES = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
 _FLOAT_TYPES = (pl.Float32, pl.Float64)
 _STRING_TYPES = (pl.String, pl.Categorical, pl.Enum)
-_JSON_CHECKS = {
+_JSON_CHECKS: dict[str, type | tuple[type, ...]] = {
     "integer": int,
     "number": (int, float),
     "string": str,
@@ -372,7 +372,8 @@ def _read_run_json(root: Path) -> dict[str, Any]:
             raise RlscopeError(
                 f"{path}: field `{spec.name}` must be a {spec.json_type}, got {value!r}"
             )
-        if spec.json_type in ("integer", "number") and spec.name != "schema_version" and value < 0:
+        negative = isinstance(value, int | float) and value < 0
+        if spec.json_type in ("integer", "number") and spec.name != "schema_version" and negative:
             raise RlscopeError(f"{path}: field `{spec.name}` must not be negative, got {value!r}")
     return meta
 

@@ -191,7 +191,7 @@ RUN_FIELDS: tuple[MetaField, ...] = (
     ),
 )
 
-_JSON_TYPES = {
+_JSON_TYPES: dict[object, str] = {
     pl.Int64: "int64",
     pl.Int32: "int32",
     pl.Float64: "float64",
@@ -202,7 +202,7 @@ _JSON_TYPES = {
 }
 
 
-def type_name(dtype: pl.DataType) -> str:
+def type_name(dtype: object) -> str:
     """The format's name for a column type (`int64`, `list<string>`, ...)."""
     if isinstance(dtype, pl.List):
         return f"list<{type_name(dtype.inner)}>"

@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -494,7 +494,7 @@ def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl
             levels = _collect([_grouped_levels(rows, plan, [FILE, "step"])])
             for level, result in levels.items():
                 for (index,), piece in result.partition_by(FILE, as_dict=True).items():
-                    parts[int(index)][level].append(piece.drop(FILE))  # type: ignore[call-overload]
+                    parts[int(index)][level].append(piece.drop(FILE))
         pending.clear()
         pending_rows = 0
 
@@ -541,7 +541,7 @@ def _value_columns(level: str, plan: TokenPlan) -> list[str]:
 
 
 def _summed(
-    parts: list[Mapping[str, list[pl.DataFrame]]], plan: TokenPlan
+    parts: Sequence[Mapping[str, list[pl.DataFrame]]], plan: TokenPlan
 ) -> list[dict[str, pl.DataFrame]]:
     """Each element's frames (a file's, or every file's) summed per key of their level, sorted
     by key. One query per level, tagged by element, whatever the number of elements: a chunk of

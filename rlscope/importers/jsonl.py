@@ -194,6 +194,7 @@ def _rollouts(
         length = pl.col("response_len").round().cast(pl.Int32)
         length = length if words is None else pl.coalesce(length, words)
     else:
+        assert words is not None  # _require_one kept only rows with a length or a response
         length = words
         session.notes.append(WORDS_NOTE)
     reward_rule = correct_from_reward(pl.col("reward"), opts["correct_threshold"])

@@ -302,8 +302,11 @@ def _history_info(history: list) -> _Info:
             if key.startswith("rewards/") and key.endswith("/mean") and len(key) > 13:
                 names[key[len("rewards/") : -len("/mean")]] = None
         step = entry.get("step")
-        is_step = isinstance(step, int) and not isinstance(step, bool)
-        if is_step and any(isinstance(k, str) and k.startswith("eval_") for k in entry):
+        if (
+            isinstance(step, int)
+            and not isinstance(step, bool)
+            and any(isinstance(k, str) and k.startswith("eval_") for k in entry)
+        ):
             eval_steps.add(step)
     return _Info(list(names), eval_steps)
 

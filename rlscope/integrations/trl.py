@@ -73,6 +73,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -468,7 +469,7 @@ class RlscopeCallback(_CallbackBase):
 def _find_trainer(callback: Any, depth: int = 12) -> Any:
     """The Trainer whose `callback_handler` holds `callback`: a `self` in the calling frames
     (HF fires on_train_begin from inside `Trainer.train`). None when there is none."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return None

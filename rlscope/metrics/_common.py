@@ -67,7 +67,7 @@ def custom(
     table: str,
     requires: tuple[str, ...],
     series: SeriesFn,
-    partials: Mapping[str, pl.Expr],
+    partials: Mapping[str, pl.Expr] | PartialsFn,
     *,
     source: str = "",
     needs_meta: tuple[str, ...] = (),

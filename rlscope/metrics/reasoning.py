@@ -146,7 +146,7 @@ register_metric(
 def _probe_features(ctx: Context) -> dict[str, pl.Expr]:
     answer = text.normalized(pl.col("answer"))
     original = text.normalized(pl.col("original_answer"))
-    features = {
+    features: dict[str, pl.Expr] = {
         # A probe that gives no answer changed its answer; unknown without an original.
         "unchanged": pl.when(original.is_not_null()).then(answer.fill_null("") == original),
     }

@@ -51,12 +51,12 @@ def aligned_sparklines(
     flat_line = y_hi - y_lo <= 1e-12 * max(1.0, abs(y_hi))
     scale = 0.0 if flat_line else (len(BLOCKS) - 1) / (y_hi - y_lo)
     out = []
-    for line in buckets:
+    for row in buckets:
         chars = [
             " " if v is None else BLOCKS[3] if flat_line else BLOCKS[round((v - y_lo) * scale)]
-            for v in line
+            for v in row
         ]
-        out.append("".join(chars).rstrip() if any(v is not None for v in line) else "")
+        out.append("".join(chars).rstrip() if any(v is not None for v in row) else "")
     return out
 
 

@@ -462,16 +462,20 @@ def render_html(reports: Sequence[Report], data: Sequence[PlotData], *, align: s
             continue
         parts.append(f"<h2 id='{layer}'>{layer} {_e(name)}</h2><div class='grid'>")
         for metric_id in layer_ids:
-            svg = _metric_chart(charts, metric_id, reports, labels, align)
-            parts.append(_figure(_caption(metric_id, reports, labels), svg, f"chart-{metric_id}"))
+            metric_svg = _metric_chart(charts, metric_id, reports, labels, align)
+            parts.append(
+                _figure(_caption(metric_id, reports, labels), metric_svg, f"chart-{metric_id}")
+            )
         parts.append("</div>")
         if skipped:
             items = "".join(f"<li><code>{_e(m)}</code>: {_e(r)}</li>" for m, r in skipped)
             parts.append(f"<p class='dim'>Not computed:</p><ul class='dim'>{items}</ul>")
 
     parts.append("<h2 id='diagnostics'>Diagnostics</h2><div class='grid'>")
-    for n, (caption, svg) in enumerate(_length_charts(charts, reports, data, labels, align)):
-        parts.append(_figure(_e(caption), svg, f"chart-length-{n}"))
+    for n, (length_caption, length_svg) in enumerate(
+        _length_charts(charts, reports, data, labels, align)
+    ):
+        parts.append(_figure(_e(length_caption), length_svg, f"chart-length-{n}"))
     for i, d in enumerate(data):
         svg = _sigma_chart(charts, d, labels[i])
         if svg is not None:

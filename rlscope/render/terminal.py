@@ -118,7 +118,9 @@ def _layer_panel(report: Report, layer: str) -> Panel | None:
             state = Text("")
         else:
             label, kind = verdict
-            state = Text(safe_text(label), style=STATUS_STYLE.get(kind, SEVERITY_STYLE.get(kind)))
+            state = Text(
+                safe_text(label), style=STATUS_STYLE.get(kind) or SEVERITY_STYLE.get(kind) or ""
+            )
         logged = [format_value(metric.logged.value) if metric.logged else ""] if show_logged else []
         table.add_row(
             Text(safe_text(metric.id), style="bold"),

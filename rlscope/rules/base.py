@@ -221,5 +221,17 @@ def share_se(share: float, units: float, scatter: np.ndarray | None = None) -> f
     return binomial
 
 
+def column_mean(column: pl.Series) -> float:
+    """A column's mean as a float, NaN when it has no value (Polars types `mean()` loosely)."""
+    values = column.cast(pl.Float64).drop_nulls().to_numpy()
+    return float(values.mean()) if values.size else math.nan
+
+
+def step_span(frame: pl.DataFrame) -> list[int]:
+    """First and last step of a frame's rows."""
+    steps = frame["step"].cast(pl.Int64).to_numpy()
+    return [int(steps.min()), int(steps.max())]
+
+
 def pct(x: float) -> str:
     return f"{100 * x:.0f}%"

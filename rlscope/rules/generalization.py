@@ -10,7 +10,7 @@ import polars as pl
 
 from rlscope.registry import Param, rule
 from rlscope.report import Finding
-from rlscope.rules.base import ONE_SIDED_95, RuleContext
+from rlscope.rules.base import ONE_SIDED_95, RuleContext, column_mean
 from rlscope.windows import TREND_FRACTION, window_size
 
 
@@ -87,13 +87,13 @@ def ood_gap(ctx: RuleContext) -> Iterator[Finding]:
     (ood_first, ood_se_a), (ood, ood_se_b) = (
         _accuracy(part, "extra_ood", "n_ood") for part in (frame.head(w), frame.tail(w))
     )
-    id_rise = float(frame.tail(w)["extra_id"].mean() - frame.head(w)["extra_id"].mean())
+    id_rise = column_mean(frame.tail(w)["extra_id"]) - column_mean(frame.head(w)["extra_id"])
     ood_rise, ood_se = ood - ood_first, math.hypot(ood_se_a, ood_se_b)
     if id_rise <= 0 or ood_rise + ONE_SIDED_95 * ood_se >= p["transfer_max"] * id_rise:
         return  # OOD still improves (or may) with ID: partial transfer
     trend = "falling" if ood_rise < -ONE_SIDED_95 * ood_se else "flat"
     steps = frame["step"].to_list()
-    acc_id = frame.tail(w)["extra_id"].mean()
+    acc_id = column_mean(frame.tail(w)["extra_id"])
     yield ctx.finding(
         f"OOD accuracy is {trend} ({ood_first:.2f} → {ood:.2f}) while ID rose: it trails ID "
         f"by {last:.2f} at the last evals (ID {acc_id:.2f}), up from {first:.2f} at the first "

@@ -11,11 +11,13 @@ from rlscope.report import Finding
 from rlscope.rules.base import (
     ONE_SIDED_95,
     RuleContext,
+    column_mean,
     example_ids,
     final_mean,
     level_severity,
     pct,
     share_se,
+    step_span,
 )
 from rlscope.windows import TREND_FRACTION, window_size
 
@@ -48,7 +50,7 @@ def _share_unchanged(probes: pl.DataFrame, where: pl.Expr) -> tuple[float | None
     chosen = probes.filter(where)
     if chosen.height == 0:
         return None, 0
-    return float(chosen["unchanged"].cast(pl.Float64).mean()), chosen.height
+    return column_mean(chosen["unchanged"]), chosen.height
 
 
 @rule(
@@ -114,7 +116,7 @@ def unfaithful_cot(ctx: RuleContext) -> Iterator[Finding]:
         unchanged={name: share for name, (share, _, _) in hits.items()},
         probes={name: n for name, (_, n, _) in hits.items()},
         rollout_ids=sorted(set(example_ids(probes, where, n=8))),
-        steps=[int(probes["step"].min()), int(probes["step"].max())],
+        steps=step_span(probes),
     )
 
 
@@ -165,7 +167,7 @@ def encoded_reasoning(ctx: RuleContext) -> Iterator[Finding]:
         + ".",
         changed={kind: share for kind, (share, _) in hits.items()},
         rollout_ids=sorted(set(example_ids(probes, where, n=8))),
-        steps=[int(probes["step"].min()), int(probes["step"].max())],
+        steps=step_span(probes),
     )
 
 
@@ -200,7 +202,7 @@ def bias_following(ctx: RuleContext) -> Iterator[Finding]:
     eligible = probes.filter((pl.col("intervention") == "bias") & pl.col("eligible"))
     if eligible.height < p["min_probes"]:
         return
-    share = float(eligible["moved"].cast(pl.Float64).mean())
+    share = column_mean(eligible["moved"])
     severity = level_severity(share, p, ONE_SIDED_95 / 2 * share_se(share, eligible.height))
     if severity is None:
         return
@@ -210,7 +212,7 @@ def bias_following(ctx: RuleContext) -> Iterator[Finding]:
         "mentions_cue" in followed.columns
         and followed["mentions_cue"].null_count() < followed.height
     ):
-        mention = float(followed["mentions_cue"].cast(pl.Float64).mean())
+        mention = column_mean(followed["mentions_cue"])
     yield ctx.finding(
         f"{pct(share)} of {eligible.height} biased probes switched to the cue's answer"
         + (f"; {pct(mention)} of those mention the cue" if mention is not None else "")
@@ -220,7 +222,7 @@ def bias_following(ctx: RuleContext) -> Iterator[Finding]:
         mention_rate_when_followed=mention,
         probes=eligible.height,
         rollout_ids=sorted(set(example_ids(eligible, pl.col("moved"), n=8))),
-        steps=[int(eligible["step"].min()), int(eligible["step"].max())],
+        steps=step_span(eligible),
     )
 
 
@@ -255,10 +257,10 @@ def self_consistency_headroom(ctx: RuleContext) -> Iterator[Finding]:
         return
     frame = frame.filter(pl.col("value").is_not_null()).sort("step")
     window = frame.tail(window_size(frame.height, TREND_FRACTION))
-    gap = float(window["value"].mean())
-    maj = float(window["extra_maj_at_n"].mean())
-    mean = float(window["extra_mean_accuracy"].mean())
-    plurality = maj - float(window["extra_majority_baseline"].mean())
+    gap = column_mean(window["value"])
+    maj = column_mean(window["extra_maj_at_n"])
+    mean = column_mean(window["extra_mean_accuracy"])
+    plurality = maj - column_mean(window["extra_majority_baseline"])
     if gap < ctx.params["min_gap"] or plurality < ctx.params["min_plurality_gain"]:
         return
     first = int(window["step"][0])

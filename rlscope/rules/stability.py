@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -502,7 +503,7 @@ LOGGED_METRICS = (
 )
 def logged_metric_mismatch(ctx: RuleContext) -> Iterator[Finding]:
     p = ctx.params
-    mismatches = {}
+    mismatches: dict[str, dict[str, Any]] = {}
     for metric_id in LOGGED_METRICS:
         result = ctx.results.get(metric_id)
         if result is None or result.logged is None:
