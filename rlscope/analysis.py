@@ -12,9 +12,9 @@ from rlscope.cache import import_cache_dir
 from rlscope.config import Config, load_config
 from rlscope.engine import Computed, compute
 from rlscope.errors import RlscopeError
+from rlscope.evaluation import evaluate
 from rlscope.reader import Run, open_run, scan_error
 from rlscope.report import Report, RunInfo
-from rlscope.rules import evaluate
 from rlscope.tokenscan import Mapper, PartialCache
 
 if TYPE_CHECKING:

@@ -265,7 +265,8 @@ def list_metrics() -> None:
     """
     from rich.table import Table
 
-    from rlscope.registry import METRICS, RULES, load_all
+    from rlscope.catalog import load_all
+    from rlscope.registry import METRICS, RULES
 
     load_all()
     table = Table(title="Metrics", title_justify="left")
@@ -298,7 +299,8 @@ def explain(
 
       rlscope explain entropy-collapse
     """
-    from rlscope.registry import METRICS, RULES, lookup
+    from rlscope.catalog import lookup
+    from rlscope.registry import METRICS, RULES
 
     item = lookup(id)
     if item is None:

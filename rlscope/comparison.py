@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from rlscope import windows
+from rlscope._version import __version__
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.report import Report, json_safe, severity_rank
@@ -83,7 +84,6 @@ class Comparison:
     findings: tuple[FindingRow, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        from rlscope import __version__
         from rlscope.schema import SCHEMA_VERSION
 
         return {
@@ -171,7 +171,8 @@ def compare(
 
 def compare_reports(reports: Sequence[Report], *, align: str = "step") -> Comparison:
     """Compare already computed reports (the first is the baseline)."""
-    from rlscope.registry import METRICS, RULES, load_all
+    from rlscope.catalog import load_all
+    from rlscope.registry import METRICS, RULES
 
     if align not in ALIGNS:
         raise RlscopeError(f"align {align!r}: choose step or progress")

@@ -10,8 +10,9 @@ from typing import Any
 
 import polars as pl
 
+from rlscope.catalog import load_all
 from rlscope.errors import RlscopeError
-from rlscope.registry import RULES, load_all
+from rlscope.registry import RULES
 from rlscope.report import SEVERITIES
 from rlscope.text import SEGMENTS, TagSet, TextSettings
 

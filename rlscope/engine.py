@@ -10,15 +10,16 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
+from rlscope.catalog import load_all
 from rlscope.errors import RlscopeError
 from rlscope.reader import INVALID_PREFIX, Run, invalid_warnings, scan_error, valid_rollout
 from rlscope.registry import (
     METRICS,
+    Context,
     Metric,
     Variant,
     family_members,
     is_template,
-    load_all,
     split_column,
 )
 from rlscope.report import Logged, MetricResult, Skipped
@@ -37,17 +38,6 @@ STEPS_ONLY = "no rollouts table: the trainer logged step metrics only"
 #: Rows per streaming morsel of the per-rollout text query (Polars' default is ~100k rows:
 #: with long responses and their word lists, that is what sets the peak memory).
 TEXT_MORSEL_ROWS = 10_000
-
-
-@dataclass
-class Context:
-    """What a metric's series function may read besides its aggregated frame."""
-
-    run: Run
-    pass_k: int | None = None
-    text: TextSettings = field(default_factory=TextSettings)
-    # The collected partial aggregates, (table, level) -> frame (for metric summaries).
-    aggregates: dict[tuple[str, str], pl.DataFrame] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ class CheckResult:
 
     def finding_cases(self) -> list[tuple[str, str, Finding | None, str | None]]:
         """Per registered rule: (id, layer, its worst finding or None, why it was not run)."""
-        from rlscope.registry import RULES, load_all
+        from rlscope.catalog import load_all
+        from rlscope.registry import RULES
 
         load_all()
         skipped = {s.metric: s.reason for s in self.report.skipped}
@@ -188,7 +189,8 @@ def _number(where: str, key: str, value: Any) -> float:
 
 
 def _parse(file: Path, table: Any, config: Config) -> GateSpec:
-    from rlscope.registry import METRICS, load_all
+    from rlscope.catalog import load_all
+    from rlscope.registry import METRICS
 
     load_all()
     if not isinstance(table, dict):

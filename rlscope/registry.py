@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
-if TYPE_CHECKING:
-    from rlscope.engine import Context
-    from rlscope.rules.base import RuleContext
+from rlscope.reader import Run
+from rlscope.report import Finding
+from rlscope.text import TextSettings
 
 #: The aggregation level each table's partials are computed at (one scan per table and level).
 #: steps: one row per step; rollouts: one row per (split, step, prompt_id) group, or with level
@@ -19,6 +18,18 @@ if TYPE_CHECKING:
 #: step (and per step and entropy bin, or per step and segment); probes: one row per probe,
 #: joined with its rollout's step, split and answer.
 TABLE_LEVELS = ("steps", "rollouts", "tokens", "probes")
+
+
+@dataclass
+class Context:
+    """What a metric's series function may read besides its aggregated frame."""
+
+    run: Run
+    pass_k: int | None = None
+    text: TextSettings = field(default_factory=TextSettings)
+    # The collected partial aggregates, (table, level) -> frame (for metric summaries).
+    aggregates: dict[tuple[str, str], pl.DataFrame] = field(default_factory=dict)
+
 
 SeriesFn = Callable[[pl.LazyFrame, "Context"], pl.LazyFrame]
 PartialsFn = Callable[["Context"], Mapping[str, pl.Expr]]
@@ -129,7 +140,9 @@ class Param:
     doc: str
 
 
-RuleFn = Callable[["RuleContext"], Iterator[Any]]
+#: A rule's check: takes a rules.base.RuleContext (typed where each rule is defined, so that
+#: the registry stays below the rules) and yields its findings.
+RuleFn = Callable[[Any], Iterator[Finding]]
 
 
 @dataclass(frozen=True)
@@ -184,7 +197,6 @@ def register_family(template: Metric, members: FamilyFn) -> Metric:
 def family_members(run: Any, template_id: str) -> list[Metric]:
     """The metrics of the family `template_id` (`signal.reward.*`) this run has (e.g. one per
     reward function it logs)."""
-    load_all()
     return FAMILIES[template_id[:-1]](run)
 
 
@@ -212,31 +224,3 @@ def rule(
         return fn
 
     return wrap
-
-
-LAYER_MODULES = ("stability", "behavior", "signal", "exploration", "generalization", "reasoning")
-
-
-def load_all() -> None:
-    """Import every metric and rule module so the registry is complete (registry order = layer
-    order: L1 first)."""
-    for name in LAYER_MODULES:
-        importlib.import_module(f"rlscope.metrics.{name}")
-    for name in LAYER_MODULES:
-        importlib.import_module(f"rlscope.rules.{name}")
-
-
-def share_metrics() -> list[str]:
-    """Ids of the metrics whose values are shares in [0, 1]."""
-    load_all()
-    return [m.id for m in METRICS.values() if m.unit == "share"]
-
-
-def lookup(id: str) -> Metric | Rule | None:
-    """A metric, finding or family (a member id like `signal.reward.acc` gives its template)."""
-    load_all()
-    found = METRICS.get(id) or RULES.get(id)
-    if found is None:
-        prefix = next((p for p in FAMILIES if id.startswith(p) and len(id) > len(p)), None)
-        found = METRICS.get(prefix + "*") if prefix else None
-    return found

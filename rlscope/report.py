@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlscope._version import __version__
+
 SEVERITIES = ("info", "warn", "critical")
 LAYERS = {
     "L1": "Training stability",
@@ -156,7 +158,6 @@ class Report:
         return [f for f in self.findings if severity_rank(f.severity) >= severity_rank(fail_on)]
 
     def to_dict(self) -> dict[str, Any]:
-        from rlscope import __version__
         from rlscope.schema import SCHEMA_VERSION
 
         run = self.run

@@ -38,7 +38,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlscope import __version__
+from rlscope._version import __version__
 from rlscope.cache import cache_root
 from rlscope.reader import INVALID_PREFIX, Run, conform
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from rlscope.analysis import analyze
+from rlscope.catalog import load_all
 from rlscope.config import Config
-from rlscope.registry import METRICS, RULES, load_all
+from rlscope.registry import METRICS, RULES
 from rlscope.report import Report
 from rlscope.synth import SCENARIOS, generate
 

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import rlscope
+from rlscope.catalog import share_metrics
 from rlscope.errors import RlscopeError
 from rlscope.reader import MAX_RESPONSE_LEN
-from rlscope.registry import share_metrics
 
 RATES = share_metrics()  # every metric declared a share in [0, 1]
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlscope.registry import METRICS, RULES, is_template, load_all
+from rlscope.catalog import load_all
+from rlscope.registry import METRICS, RULES, is_template
 from rlscope.report import LAYERS, SEVERITIES
 
 load_all()
@@ -58,7 +59,7 @@ def test_finding_is_documented(rule_id: str) -> None:
 
 def test_rates_are_declared_shares() -> None:
     """The property tests check every share metric stays in [0, 1]; the rates must be among them."""
-    from rlscope.registry import share_metrics
+    from rlscope.catalog import share_metrics
 
     rates = {
         "signal.zero_std_frac",

@@ -11,9 +11,10 @@ import pytest
 from conftest import run_cli as rlscope
 from rich.console import Console
 
+from rlscope.catalog import load_all
 from rlscope.config import Config
 from rlscope.gates import CheckResult, GateSpec, check, evaluate_gates, load_gates
-from rlscope.registry import RULES, load_all
+from rlscope.registry import RULES
 from rlscope.render.ci import FORMATS, github_property, markdown_text, render, render_text
 from rlscope.report import Finding, MetricResult, Report, RunInfo, Skipped
 

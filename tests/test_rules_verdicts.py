@@ -10,9 +10,10 @@ import polars as pl
 import pytest
 
 from rlscope.analysis import analyze
+from rlscope.catalog import load_all
 from rlscope.errors import RlscopeError
 from rlscope.reader import open_run
-from rlscope.registry import RULES, load_all
+from rlscope.registry import RULES
 from rlscope.report import Finding, MetricResult, Report, RunInfo
 from rlscope.rules.base import RuleContext
 

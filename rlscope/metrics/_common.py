@@ -6,8 +6,7 @@ from collections.abc import Mapping
 
 import polars as pl
 
-from rlscope.engine import Context
-from rlscope.registry import PartialsFn, SeriesFn, Variant
+from rlscope.registry import Context, PartialsFn, SeriesFn, Variant
 
 
 def f64(name: str) -> pl.Expr:

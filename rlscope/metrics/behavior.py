@@ -7,7 +7,6 @@ from typing import Any
 import polars as pl
 
 from rlscope import text
-from rlscope.engine import Context
 from rlscope.metrics._common import (
     custom,
     f64,
@@ -18,7 +17,7 @@ from rlscope.metrics._common import (
     step_sums,
     train,
 )
-from rlscope.registry import Metric, Variant, register_metric
+from rlscope.registry import Context, Metric, Variant, register_metric
 from rlscope.tokenscan import (
     BIN_COUNT,
     ENTROPY_BIN_OFFSET,

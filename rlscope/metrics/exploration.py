@@ -9,9 +9,8 @@ import numpy as np
 import polars as pl
 
 from rlscope import text
-from rlscope.engine import Context
 from rlscope.metrics._common import train
-from rlscope.registry import Metric, Variant, register_metric
+from rlscope.registry import Context, Metric, Variant, register_metric
 from rlscope.windows import window_size
 
 GROUP = ("step", "prompt_id")  # train groups only: split is constant

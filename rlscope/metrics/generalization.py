@@ -7,10 +7,9 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from rlscope.engine import Context
 from rlscope.metrics._common import custom, f64, safe_div
 from rlscope.metrics.behavior import N_CORRECT, N
-from rlscope.registry import Metric, register_metric
+from rlscope.registry import Context, Metric, register_metric
 
 _PARTIALS = dict([N, N_CORRECT])
 ID_SPLIT, OOD_SPLIT = "eval_id", "eval_ood"

@@ -7,9 +7,8 @@ from typing import Any
 import polars as pl
 
 from rlscope import text
-from rlscope.engine import Context
 from rlscope.metrics._common import custom, f64, safe_div, step_sums, train
-from rlscope.registry import Metric, Variant, register_metric
+from rlscope.registry import Context, Metric, Variant, register_metric
 
 GROUP = ("step", "prompt_id")
 INTERVENTIONS = {

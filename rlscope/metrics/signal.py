@@ -6,11 +6,10 @@ from math import comb
 
 import polars as pl
 
-from rlscope.engine import Context
 from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, train
 from rlscope.metrics.behavior import N_CORRECT, N
 from rlscope.reader import Run
-from rlscope.registry import Metric, register_family, register_metric
+from rlscope.registry import Context, Metric, register_family, register_metric
 
 R_SUM = ("r_sum", f64("reward").sum())
 R_STD = ("r_std", f64("reward").std(ddof=1))

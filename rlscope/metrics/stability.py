@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import polars as pl
 
-from rlscope.engine import Context
 from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, step_sums
 from rlscope.reader import INVALID_PREFIX
-from rlscope.registry import Metric, Variant, register_metric
+from rlscope.registry import Context, Metric, Variant, register_metric
 
 _d = f64("ref_logprob") - f64("logprob")
 K3 = _d.exp() - _d - 1.0

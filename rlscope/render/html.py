@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlscope._version import __version__
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.plots import PlotData, plot_data
@@ -101,7 +102,7 @@ def _xlabel(align: str) -> str:
 
 
 def _band(metric_id: str) -> tuple[float | None, float | None] | None:
-    from rlscope.registry import METRICS
+    from rlscope.catalog import METRICS
 
     metric = METRICS.get(metric_id)
     return metric.band if metric is not None else None
@@ -293,7 +294,7 @@ def _pass_chart(charts: _Charts, data: Sequence[PlotData], labels: Sequence[str]
 def _entropy_chart(
     charts: _Charts, reports: Sequence[Report], labels: Sequence[str], align: str
 ) -> str | None:
-    from rlscope.registry import RULES
+    from rlscope.catalog import RULES
 
     if not any("behavior.entropy" in r.metrics for r in reports):
         return None
@@ -410,7 +411,6 @@ def _caption(metric_id: str, reports: Sequence[Report], labels: Sequence[str]) -
 
 def render_html(reports: Sequence[Report], data: Sequence[PlotData], *, align: str = "step") -> str:
     """The report page for one or more runs (several: overlaid, the first as the baseline)."""
-    from rlscope import __version__
     from rlscope.comparison import run_labels
 
     charts = _Charts()
@@ -511,7 +511,7 @@ def render_html(reports: Sequence[Report], data: Sequence[PlotData], *, align: s
 
 
 def _layer(metric_id: str) -> str | None:
-    from rlscope.registry import METRICS
+    from rlscope.catalog import METRICS
 
     metric = METRICS.get(metric_id)
     return metric.layer if metric is not None else None

@@ -174,7 +174,7 @@ def metric_detail(metric: MetricResult) -> str:
 
 
 def _layer_of(metric_id: str) -> str | None:
-    from rlscope.registry import METRICS
+    from rlscope.catalog import METRICS
 
     metric = METRICS.get(metric_id)
     return metric.layer if metric else None
