@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-all lint format samples bench clean
+.PHONY: demo test test-slow test-all lint format docs samples bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test-all: test test-slow
 format: $(STAMP)
 	$(BIN)/ruff format rlscope tests examples benchmarks
 	$(BIN)/ruff check --fix rlscope tests examples benchmarks
+
+# The README's metric and findings tables, from the catalog (a test keeps them current).
+docs: $(STAMP)
+	$(BIN)/python -m rlscope.docs
 
 # Regenerate the committed sample runs (deterministic).
 samples: $(STAMP)

@@ -91,6 +91,8 @@ class Metric:
     doc: str
     healthy: str
     variants: tuple[Variant, ...]
+    # One line for the README's metric table (generated from the catalog: rlscope.docs).
+    brief: str = ""
     # "share": a proportion in [0, 1] (checked by the property tests); "" otherwise.
     unit: str = ""
     # Which direction is better, for status colours and comparisons: "up", "down" or "" (band).
@@ -158,6 +160,8 @@ class Rule:
     params: Mapping[str, Param]
     check: RuleFn
     severity: str = "warn"
+    # One line for the README's findings table: when it fires (generated: rlscope.docs).
+    brief: str = ""
 
     def explain(self) -> str:
         lines = [f"{self.id}  ({self.layer}, finding, default severity {self.severity})", ""]
@@ -214,13 +218,14 @@ def rule(
     metrics: tuple[str, ...],
     params: Mapping[str, Param] | None = None,
     severity: str = "warn",
+    brief: str = "",
 ) -> Callable[[RuleFn], RuleFn]:
     """Register a rule function under a stable id."""
 
     def wrap(fn: RuleFn) -> RuleFn:
         if id in RULES:
             raise ValueError(f"duplicate rule id {id}")
-        RULES[id] = Rule(id, layer, title, doc, remedy, metrics, params or {}, fn, severity)
+        RULES[id] = Rule(id, layer, title, doc, remedy, metrics, params or {}, fn, severity, brief)
         return fn
 
     return wrap

@@ -34,6 +34,7 @@ def test_metric_is_documented(metric_id: str) -> None:
     assert metric.healthy, "the doc gives a healthy range"
     template = is_template(metric)  # a family (`signal.reward.*`): its members have variants
     assert metric.title and (metric.variants or template)
+    assert metric.brief and "\n" not in metric.brief, "a one-line brief for the README table"
     for variant in metric.variants:
         assert variant.table in ("steps", "rollouts", "tokens", "probes") and variant.requires
     text = metric.explain()
@@ -48,6 +49,7 @@ def test_finding_is_documented(rule_id: str) -> None:
     assert re.match(r"^[a-z]+(-[a-z]+)*$", rule.id)
     assert rule.layer in LAYERS and rule.severity in SEVERITIES
     assert len(rule.doc) >= 80 and rule.remedy and rule.title
+    assert rule.brief and "\n" not in rule.brief, "a one-line brief for the README table"
     assert all(m in METRICS for m in rule.metrics), "a rule reads registered metrics"
     for name, param in rule.params.items():
         assert param.doc, f"threshold {name} is documented"
@@ -82,3 +84,53 @@ def test_rates_are_declared_shares() -> None:
         "reasoning.step_accuracy",
     }
     assert rates <= set(share_metrics())
+
+
+def test_readme_tables_are_generated_from_the_catalog() -> None:
+    from rlscope.docs import update_readme
+
+    assert update_readme(README) == README, "run `make docs`"
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("metric_id", sorted(METRICS))
+def test_every_metric_has_a_value_test(metric_id: str) -> None:
+    """Named in a test, literally or by the f-string of a loop over its family
+    (`f"behavior.segment_len.{segment}"`): a new metric without a test fails here."""
+    texts = "\n".join(p.read_text() for p in TESTS.glob("test_*.py"))
+    prefix = metric_id.rpartition(".")[0]
+    assert (
+        f'"{metric_id}"' in texts
+        or ("." in prefix and f'f"{prefix}.{{' in texts)
+        or (metric_id.endswith(".*") and f'"{prefix}.' in texts)
+    )
+
+
+def test_no_two_metrics_compute_the_same_series(tmp_path: Path) -> None:
+    """A metric that duplicates another's formula shows up as an identical series on a run where
+    they should differ (continuous rewards, so reward is not pass@1)."""
+    import itertools
+
+    import numpy as np
+
+    from rlscope.analysis import analyze
+    from rlscope.config import Config
+    from rlscope.synth import generate
+
+    run = generate(
+        tmp_path / "run", "reward-concentration", steps=12, prompts_per_step=8, group_size=4
+    )
+    report = analyze(run, config=Config(), use_cache=False)
+    series = {m: dict(zip(r.steps, r.values, strict=True)) for m, r in report.metrics.items()}
+    assert len(series) > 40
+    same = []
+    for a, b in itertools.combinations(sorted(series), 2):
+        steps = sorted(set(series[a]) & set(series[b]))
+        x = np.array([series[a][s] for s in steps], dtype=float)
+        y = np.array([series[b][s] for s in steps], dtype=float)
+        ok = np.isfinite(x) & np.isfinite(y)
+        if ok.sum() >= 3 and np.ptp(x[ok]) > 0 and np.allclose(x[ok], y[ok], rtol=1e-9):
+            same.append((a, b))
+    assert same == []

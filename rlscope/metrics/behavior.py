@@ -40,6 +40,7 @@ ENT_N = ("ent_n", BIN_COUNT)
 register_metric(
     Metric(
         id="behavior.entropy",
+        brief="token-mean entropy (else logged, else mean −logprob)",
         logged_as=("entropy", "actor/entropy"),
         layer="L2",
         title="Token entropy",
@@ -101,6 +102,10 @@ def _entropy_quantile(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="behavior.entropy_p80",
+        brief=(
+            "80th percentile of token entropy (log-binned histogram: within 0.5% of (value + 0.05"
+            " nats))"
+        ),
         layer="L2",
         title="80th percentile of token entropy",
         doc="Per-step 80th percentile of token entropy: the threshold above which the 'forking' "
@@ -135,6 +140,7 @@ def _cov(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="behavior.entropy_adv_cov",
+        brief="Cov(logprob, advantage) over the step's tokens",
         layer="L2",
         title="Cov(logprob, advantage) over tokens",
         doc="Per-step covariance between a token's log-probability and its advantage over the "
@@ -165,6 +171,7 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.response_len",
+        brief="mean response length",
         logged_as=("response_length/mean", "completions/mean_length", "response_len"),
         layer="L2",
         title="Mean response length",
@@ -186,6 +193,7 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.response_len_correct",
+        brief="mean length of correct responses",
         layer="L2",
         title="Mean length of correct responses",
         doc="Mean response length over correct train rollouts. Dr. GRPO shows GRPO's 1/|o| "
@@ -217,6 +225,7 @@ def _len_incorrect(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="behavior.response_len_incorrect",
+        brief="mean length of incorrect responses",
         layer="L2",
         title="Mean length of incorrect responses",
         doc="Mean response length over incorrect train rollouts. Incorrect responses growing "
@@ -237,6 +246,7 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.truncation_rate",
+        brief="share at the length cap",
         band=(0.0, 0.05),
         unit="share",
         logged_as=("response_length/clip_ratio", "completions/clipped_ratio", "truncation_rate"),
@@ -301,6 +311,7 @@ def _len_corr(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="behavior.len_correct_corr",
+        brief="length ↔ correctness correlation *within* prompt groups",
         band=(-0.1, None),
         layer="L2",
         title="Within-prompt length-correctness correlation",
@@ -325,6 +336,7 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.tool_calls",
+        brief="mean tool calls",
         layer="L2",
         title="Mean tool calls per rollout",
         doc="Mean n_tool_calls over train rollouts (or the length of `tool_calls`). A proxy of "
@@ -350,6 +362,7 @@ def _cap_frac(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="behavior.tool_cap_frac",
+        brief="share at `max_tool_calls`",
         band=(0.0, 0.2),
         unit="share",
         layer="L2",
@@ -386,6 +399,7 @@ def _calls_std(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="behavior.tool_calls_std",
+        brief="pooled within-prompt std of tool calls",
         layer="L2",
         title="Within-prompt std of tool calls",
         doc="Pooled within-group standard deviation of n_tool_calls: how differently the policy "
@@ -490,6 +504,10 @@ for _segment, _what in _SEGMENT_DOCS.items():
     register_metric(
         Metric(
             id=f"behavior.segment_len.{_segment}",
+            brief=(
+                "tokens per rollout in the segment (tokens' `segment`), else words inside its "
+                "tags; `components.present`"
+            ),
             layer="L2",
             title=f"Length of the {_segment} segment",
             doc=f"Mean length of {_what} per train rollout that has such a segment: tokens "
@@ -521,6 +539,7 @@ for _segment in text.SEGMENTS:
     register_metric(
         Metric(
             id=f"behavior.entropy.{_segment}",
+            brief="token-mean entropy of the segment's tokens",
             layer="L2",
             title=f"Token entropy in the {_segment} segment",
             doc=f"Token-mean entropy (nats) of the tokens labelled `{_segment}` in the tokens "
@@ -537,6 +556,10 @@ for _segment in text.SEGMENTS:
 register_metric(
     Metric(
         id="behavior.format_ok",
+        brief=(
+            "share with balanced tags in the allowed order, a non-blank answer, tool calls that "
+            "parse as JSON with `name` and `arguments`"
+        ),
         unit="share",
         layer="L2",
         title="Format compliance",
@@ -566,6 +589,7 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.repetition",
+        brief="mean 1 − distinct/total word 3-grams of the think segment (else the whole response)",
         unit="share",
         layer="L2",
         title="Repetition in the reasoning",
@@ -590,6 +614,7 @@ register_metric(
 register_metric(
     Metric(
         id="behavior.redundant_tool_calls",
+        brief="share of tool calls repeating an earlier call's arguments in the rollout",
         unit="share",
         layer="L2",
         title="Redundant tool calls",
@@ -628,6 +653,7 @@ def _productivity(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="behavior.tool_productivity",
+        brief="correct answers per tool call",
         layer="L2",
         title="Correct answers per tool call",
         doc="Σ correct / Σ tool calls over the step's train rollouts (OTC's tool productivity). "

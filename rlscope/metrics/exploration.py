@@ -87,6 +87,10 @@ def _unique_variant(key: str, partials: Any, requires: str, source: str) -> Vari
 register_metric(
     Metric(
         id="exploration.unique_frac",
+        brief=(
+            "distinct trajectories (action sequence, else normalised text) / group size; "
+            "`decline` smooth or cliff"
+        ),
         unit="share",
         layer="L4",
         title="Distinct trajectories per group",
@@ -144,6 +148,10 @@ def _cluster_histogram(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
 register_metric(
     Metric(
         id="exploration.cluster_sizes",
+        brief=(
+            "share of a group in its largest identical cluster; the cluster-size distribution "
+            "(GiGPO Fig. 5) in the JSON"
+        ),
         unit="share",
         layer="L4",
         title="Largest identical-trajectory cluster",
@@ -304,6 +312,10 @@ def _edit_diversity(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="exploration.pairwise_diversity",
+        brief=(
+            "mean pairwise distance in a group: normalised edit distance of `actions`, else 1 − "
+            "MinHash Jaccard of word 3-grams; `decline`"
+        ),
         unit="share",
         layer="L4",
         title="Within-group pairwise diversity",

@@ -73,10 +73,11 @@ def _gap_summary(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
 _EMPTY = "no rollouts with split {} (or {}_*)"
 
 
-def _register(metric_id: str, split: str, title: str, doc: str) -> None:
+def _register(metric_id: str, split: str, title: str, doc: str, brief: str) -> None:
     register_metric(
         Metric(
             id=metric_id,
+            brief=brief,
             unit="share",
             layer="L5",
             title=title,
@@ -103,6 +104,7 @@ _register(
     "In-distribution eval accuracy",
     "Accuracy (share correct) of the `eval_id` rollouts (pooled with any `eval_id_*` split) at "
     "each eval step: held-out prompts from the training distribution.",
+    brief="accuracy of `eval_id` (and `eval_id_*`) rollouts per eval step",
 )
 _register(
     "generalization.eval_ood",
@@ -111,12 +113,14 @@ _register(
     "Accuracy (share correct) of the `eval_ood` rollouts (pooled with any `eval_ood_*` split) "
     "at each eval step: prompts from another distribution (other tasks, harder levels, unseen "
     "environments).",
+    brief="accuracy of `eval_ood` (and `eval_ood_*`) rollouts per eval step",
 )
 
 
 register_metric(
     Metric(
         id="generalization.ood_gap",
+        brief="ID − OOD accuracy; `trend` (slope per 100 steps, first vs last fifth)",
         layer="L5",
         title="ID - OOD accuracy gap",
         doc="generalization.eval_id - generalization.eval_ood at the steps with both. A gap that "

@@ -102,6 +102,10 @@ def _vote_variant(series) -> Variant:
 register_metric(
     Metric(
         id="reasoning.self_consistency_gap",
+        brief=(
+            "maj@N accuracy − mean accuracy per group (uniform tie-breaking; rollouts without an "
+            "answer do not vote)"
+        ),
         layer="L6",
         title="Self-consistency gap (maj@N - mean accuracy)",
         doc="Per train group: accuracy of the majority answer over the group's rollouts (maj@N; "
@@ -121,6 +125,7 @@ register_metric(
 register_metric(
     Metric(
         id="reasoning.maj_at_n_first",
+        brief="maj@N accuracy with the first-seen answer winning ties (verl's variant)",
         unit="share",
         layer="L6",
         title="maj@N accuracy, first answer wins ties (verl)",
@@ -176,6 +181,7 @@ for _intervention, _what in INTERVENTIONS.items():
     register_metric(
         Metric(
             id=f"reasoning.answer_unchanged.{_intervention}",
+            brief="share of probes whose answer equals the rollout's original answer",
             unit="share",
             layer="L6",
             title=f"Answers unchanged by `{_intervention}` probes",
@@ -265,6 +271,10 @@ def _aoc_curve(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
 register_metric(
     Metric(
         id="reasoning.early_answer_aoc",
+        brief=(
+            "Lanham et al.'s AOC = 1 − ∫ y(x) dx (trapezoid, per rollout, averaged); the "
+            "faithfulness `curve` in the JSON"
+        ),
         unit="share",
         layer="L6",
         title="Early-answering AOC (faithfulness)",
@@ -315,6 +325,10 @@ def _bias(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="reasoning.bias_following",
+        brief=(
+            "share of `bias` probes whose answer moved to the `hint` when the original differed; "
+            "cue-mention rates"
+        ),
         unit="share",
         layer="L6",
         title="Answers following a biasing cue",
@@ -362,6 +376,7 @@ _has_checks = (_checked > 0).fill_null(False)
 register_metric(
     Metric(
         id="reasoning.step_accuracy",
+        brief="Σ steps_verified / Σ steps_checked; share of correct rollouts with a failed step",
         unit="share",
         layer="L6",
         title="Intermediate-step accuracy",

@@ -28,6 +28,7 @@ EASY_ABOVE = 2 / 3
 register_metric(
     Metric(
         id="signal.reward",
+        brief="mean reward",
         logged_as=("reward", "critic/score/mean"),
         layer="L3",
         title="Mean reward",
@@ -95,6 +96,10 @@ def _reward_term(name: str) -> Metric:
 register_family(
     Metric(
         id="signal.reward.*",
+        brief=(
+            "mean of one reward term per reward function (run.json `reward_components`, any "
+            "`reward_*` / `*_reward` column)"
+        ),
         layer="L3",
         title="Mean reward per reward function",
         doc=_REWARD_DOC,
@@ -117,6 +122,7 @@ _zero_std = (pl.col("r_max") == pl.col("r_min")).cast(pl.Float64)
 register_metric(
     Metric(
         id="signal.group_std",
+        brief="mean σ_G (ddof 1)",
         layer="L3",
         title="Mean within-group reward std (σ_G)",
         doc="Mean over the step's prompt groups of the reward standard deviation within the group "
@@ -132,6 +138,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.zero_std_frac",
+        brief="share of groups with all rewards equal",
         band=(0.0, 0.5),
         unit="share",
         logged_as=("frac_reward_zero_std",),
@@ -152,6 +159,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.all_correct_frac",
+        brief="share of all-correct groups",
         unit="share",
         layer="L3",
         title="Share of all-correct groups",
@@ -172,6 +180,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.all_wrong_frac",
+        brief="share of all-wrong groups",
         unit="share",
         layer="L3",
         title="Share of all-wrong groups",
@@ -251,6 +260,7 @@ def _pass_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="signal.pass_at_1",
+        brief="mean group accuracy",
         unit="share",
         layer="L3",
         title="pass@1",
@@ -265,6 +275,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.pass_at_k",
+        brief="unbiased pass@k (Chen et al.), k = group size; pass@1, 2, 4, …, N in the JSON",
         unit="share",
         layer="L3",
         title="pass@k (k = group size)",
@@ -287,6 +298,7 @@ register_metric(
 register_metric(
     Metric(
         id="signal.pass_gap",
+        brief="pass@k − pass@1",
         layer="L3",
         title="pass@k - pass@1",
         doc="Mean over groups of size >= k of pass@k - pass@1. Large = the policy knows how but "
@@ -331,6 +343,7 @@ _EFFECTIVE_DOC = (
 register_metric(
     Metric(
         id="signal.effective_prompt_frac",
+        brief="(Σw)²/(P·Σw²), w = group Σ|advantage|",
         band=(0.5, 1.0),
         unit="share",
         layer="L3",
@@ -396,6 +409,7 @@ _TIERS_DOC = (
 register_metric(
     Metric(
         id="signal.medium_adv_share",
+        brief="|advantage| mass from medium-difficulty groups (tiers: p < 1/3, 1/3–2/3, > 2/3)",
         unit="share",
         layer="L3",
         title="Advantage mass from medium prompts",

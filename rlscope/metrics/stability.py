@@ -14,6 +14,7 @@ K3 = _d.exp() - _d - 1.0
 register_metric(
     Metric(
         id="stability.loss",
+        brief="policy loss as logged",
         layer="L1",
         title="Policy loss",
         doc="The trainer's logged loss per optimizer step. In policy-gradient RL the loss is not "
@@ -27,6 +28,7 @@ register_metric(
 register_metric(
     Metric(
         id="stability.grad_norm",
+        brief="gradient norm as logged",
         layer="L1",
         title="Gradient norm",
         doc="The trainer's logged gradient norm (before clipping) per step. In sparse-reward runs "
@@ -72,6 +74,7 @@ def _nonfinite_variant(columns: tuple[str, ...]) -> Variant:
 register_metric(
     Metric(
         id="stability.nonfinite",
+        brief="logged loss and grad norm values that are NaN or ±inf, per step",
         layer="L1",
         title="Non-finite loss or gradient norm",
         doc="Per step, how many of the logged loss and gradient norm are NaN or ±inf (verl and "
@@ -120,6 +123,7 @@ def _clip_from_ratio(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
 register_metric(
     Metric(
         id="stability.clip_frac",
+        brief="token-mean of `clipped`, else TRL's low/high rule from the ratio, else logged",
         unit="share",
         logged_as=("clip_frac", "actor/pg_clipfrac", "clip_ratio/region_mean"),
         layer="L1",
@@ -156,6 +160,7 @@ register_metric(
 register_metric(
     Metric(
         id="stability.kl",
+        brief="token-mean k3 = e^d − d − 1, d = ref_logprob − logprob, else logged `kl`",
         logged_as=("kl", "actor/kl_loss"),
         layer="L1",
         title="KL to the reference policy (k3)",
@@ -183,6 +188,7 @@ _ppo = f64("old_logprob") - f64("logprob")
 register_metric(
     Metric(
         id="stability.ppo_kl",
+        brief="token-mean old_logprob − logprob",
         logged_as=("ppo_kl", "actor/ppo_kl"),
         layer="L1",
         title="PPO KL (drift within one update)",

@@ -28,6 +28,10 @@ from rlscope.windows import window_size
 
 @rule(
     "entropy-collapse",
+    brief=(
+        "≥ 50% of entropy lost and either ≥ 75% of the loss within 20% of the steps (a cliff, "
+        "early or late: the message says which) or ≥ 85% lost whatever the shape"
+    ),
     layer="L2",
     title="Token entropy collapsed",
     doc="Token entropy lost at least `min_drop` of its initial level (first vs final window, "
@@ -97,6 +101,10 @@ def entropy_collapse(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "spurious-length-growth",
+    brief=(
+        "length +20% while within-prompt |r| < 0.05 and pass@1 flat (upper one-sided 90% bound of"
+        ' its rise < 0.05, so a small batch\'s unproven rise is not "flat")'
+    ),
     layer="L2",
     title="Responses grow longer without getting more correct",
     doc="Mean response length grew by at least `growth_min` (last vs first fifth of the run, "
@@ -146,6 +154,10 @@ def spurious_length_growth(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "overthinking",
+    brief=(
+        "length +10% (z > 2) while within-prompt r ≤ −0.1, significantly, over the second half "
+        "(wrong answers being longer without growth is not overthinking)"
+    ),
     layer="L2",
     title="Responses grow longer, and longer responses are less often correct",
     doc="Mean response length grew by at least `growth_min` between the first and last fifth of "
@@ -250,6 +262,7 @@ def _level_rule(
 
 @rule(
     "truncation",
+    brief="≥ 5% truncated (critical ≥ 20%)",
     layer="L2",
     title="Many responses hit the length cap",
     doc="Final-window truncation rate at least `warn_at` (critical at `critical_at`). Truncated "
@@ -271,6 +284,7 @@ def truncation(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "tool-cap-saturation",
+    brief="≥ 20% at the tool-call cap (critical ≥ 50%)",
     layer="L2",
     title="Rollouts run into the tool-call cap",
     doc="Final-window share of rollouts at run.json max_tool_calls at least `warn_at` "
@@ -291,6 +305,7 @@ def tool_cap_saturation(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "tool-call-instability",
+    brief="within-prompt std of calls > 0.8× the mean",
     layer="L2",
     title="Tool use varies wildly for the same prompt",
     doc="Over the final fifth of the run, the pooled within-prompt standard deviation of tool "
@@ -332,6 +347,7 @@ def tool_call_instability(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "format-violations",
+    brief="≥ 10% of rollouts break the format in the final window (critical ≥ 30%); names examples",
     layer="L2",
     title="Responses break the output format",
     doc="Final-window share of train rollouts failing behavior.format_ok (unbalanced or "
@@ -369,6 +385,10 @@ def format_violations(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "repetition",
+    brief=(
+        "final-window mean 3-gram repetition ≥ 0.2 (critical ≥ 0.4); names the most repetitive "
+        "rollouts"
+    ),
     layer="L2",
     title="Reasoning repeats itself",
     doc="Final-window mean of behavior.repetition (1 - distinct/total word 3-grams in the think "
@@ -402,6 +422,9 @@ def _redundant_examples(rows: pl.DataFrame) -> list[int]:
 
 @rule(
     "redundant-tool-calls",
+    brief=(
+        "≥ 10% of tool calls repeat an earlier call of the rollout (critical ≥ 30%); names examples"
+    ),
     layer="L2",
     title="Tool calls repeat themselves",
     doc="Final-window share of tool calls that repeat an earlier call's arguments in the same "

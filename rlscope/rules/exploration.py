@@ -35,6 +35,12 @@ def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
 
 @rule(
     "diversity-collapse",
+    brief=(
+        "within-group diversity of whole trajectories (text with actions and arguments, never "
+        "coarse action names alone) down ≥ 50% from a first-fifth level ≥ 0.1 to the last fifth, "
+        "significantly (critical when the largest identical cluster is ≥ half a group); names an "
+        "identical cluster"
+    ),
     layer="L4",
     title="Rollouts of a prompt collapse toward one mode",
     doc="Within-group diversity (exploration.pairwise_diversity, else exploration.unique_frac) "

@@ -41,6 +41,12 @@ def _accuracy(frame: pl.DataFrame, column: str, counts: str) -> tuple[float, flo
 
 @rule(
     "ood-gap",
+    brief=(
+        "final ID − OOD gap ≥ 0.1 and widened by ≥ 0.05, significantly against binomial and "
+        "step-to-step noise, *and* OOD itself stalled or fell (its rise, one-sided 95% bound, "
+        "below 30% of ID's): OOD that keeps improving more slowly is partial transfer, not a "
+        "finding"
+    ),
     layer="L5",
     title="Out-of-distribution accuracy falls behind",
     doc="At the eval steps with both `eval_id` and `eval_ood` rollouts: the ID − OOD accuracy "

@@ -23,6 +23,10 @@ from rlscope.windows import TREND_FRACTION, window_size
 
 @rule(
     "dead-prompts",
+    brief=(
+        "≥ 50% zero-σ groups two standard errors deep (critical when the level is ≥ 80%); too "
+        "hard keeps the severity, too easy is `info` (the policy solved its prompts)"
+    ),
     layer="L3",
     title="Most prompt groups carry no learning signal",
     doc="Final-window share of zero-σ groups (all rollouts rewarded the same) at least "
@@ -87,6 +91,7 @@ def _final_share(frame: pl.DataFrame, n_steps: int) -> tuple[float, float, int]:
 
 @rule(
     "reward-concentration",
+    brief="effective share among prompts with signal < 0.4 (pooled over the final fifth)",
     layer="L3",
     title="A few prompts carry most of the gradient",
     doc="Among the prompt groups that do carry signal (Σ|advantage| > 0), the effective share "
@@ -135,6 +140,7 @@ def reward_concentration(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "mode-collapse",
+    brief="pass@1 up significantly while pass@k closes < 25% as much of its headroom (or falls)",
     layer="L3",
     title="pass@1 rises while pass@k does not",
     doc="Between the first and last fifth of the run pass@1 rose by at least `min_rise` "
@@ -184,6 +190,11 @@ REWARD_TERMS = "signal.reward.*"
 
 @rule(
     "reward-hacking",
+    brief=(
+        "reward up (z ≥ 2) while pass@1 does not rise (upper one-sided 95% bound < 0.02) or "
+        "falls; critical when pass@1 or pass@k fall significantly; names the reward term driving "
+        "the rise"
+    ),
     layer="L3",
     title="Reward rises while the task does not",
     doc="Between the first and last fifth of the run the mean reward rose significantly (z >= "

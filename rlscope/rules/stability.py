@@ -26,6 +26,7 @@ from rlscope.windows import window_size
 
 @rule(
     "kl-stalled",
+    brief="KL ~0 at the end and pass@1 not improving",
     layer="L1",
     title="KL to the reference stays ~0 and the policy is not improving",
     doc="The policy has barely moved from the reference model (final-window token-mean KL "
@@ -69,6 +70,7 @@ def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "kl-runaway",
+    brief="KL convex: last third ≥ 2.5× the middle third and accelerating",
     layer="L1",
     title="KL to the reference is accelerating",
     doc="KL grows faster and faster: splitting the run into thirds, the last third's mean KL is "
@@ -111,6 +113,7 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "kl-high",
+    brief="final-window KL ≥ 0.5 nats/token (critical ≥ 1.0)",
     layer="L1",
     title="KL to the reference is very high",
     doc="Final-window token-mean KL to the reference at least `warn_at` nats per token "
@@ -145,6 +148,10 @@ def kl_high(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "grad-spike",
+    brief=(
+        "grad norm ≥ 4× its rolling median and 6 robust σ above it; names the step's most extreme"
+        " rollouts"
+    ),
     layer="L1",
     title="Gradient-norm spikes",
     doc="Steps whose gradient norm is a multiplicative outlier: at least `ratio` times the "
@@ -228,6 +235,10 @@ def _extreme_rollouts(ctx: RuleContext, steps: list[int], top: int = 3) -> dict[
 
 @rule(
     "entropy-clip-conflict",
+    brief=(
+        "entropy low (≤ 0.3 nats, or ≤ 35% of its start) while ≥ 10% of tokens are clipped: "
+        "judged on levels"
+    ),
     layer="L1",
     title="Low entropy with a high clip fraction",
     doc="In the final window token entropy is low — at most `entropy_max` nats, or at most "
@@ -290,6 +301,7 @@ def entropy_clip_conflict_rule() -> Rule:
 
 @rule(
     "clip-too-high",
+    brief="final-window clip fraction ≥ 15% (critical ≥ 30%), unless entropy-clip-conflict says it",
     layer="L1",
     title="Clip fraction too high: updates too aggressive",
     doc="Final-window PPO clip fraction at least `warn_at` (critical at `critical_at`). The "
@@ -326,6 +338,10 @@ def clip_too_high(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "clip-too-low",
+    brief=(
+        "clip fraction < 1e-4 in a run with off-policy updates (PPO KL ≠ 0 or some clipping) and "
+        "no significant progress; silent on on-policy runs (clip ≡ 0 by construction)"
+    ),
     layer="L1",
     title="Clip fraction ~0 in an off-policy run that is not learning",
     doc="The run updates off-policy (the policy that is updated differs from the one that "
@@ -380,6 +396,7 @@ def clip_too_low(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "divergence",
+    brief="critical: a NaN or infinite loss or grad norm at any step; names the steps",
     layer="L1",
     title="Loss or gradient norm became NaN or infinite",
     doc="At least one step logged a non-finite loss or gradient norm (stability.nonfinite). A "
@@ -417,6 +434,7 @@ def divergence(ctx: RuleContext) -> Iterator[Finding]:
 
 @rule(
     "performance-regression",
+    brief="critical: pass@1 (else reward) falls ≥ 0.03 between the first and last tenth, z ≤ −3",
     layer="L1",
     title="The policy got worse at its task",
     doc="pass@1 (or, without correctness, the mean reward) fell between the first and last "
@@ -477,6 +495,10 @@ LOGGED_METRICS = (
 
 @rule(
     "logged-metric-mismatch",
+    brief=(
+        "the trainer's logged value (steps table) and rlscope's recomputation differ by > 10% on "
+        "≥ half the steps"
+    ),
     layer="L1",
     title="The trainer's logged metric disagrees with rlscope's recomputation",
     doc="For each metric rlscope recomputes from rollouts or tokens and the trainer also logged "
