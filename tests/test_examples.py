@@ -229,7 +229,7 @@ def test_callback_rollouts_grouped_and_deduplicated(tmp_path: Path) -> None:
     p1 = hashlib.blake2b(b"p1", digest_size=8).hexdigest()
     p3 = hashlib.blake2b(b"p3", digest_size=8).hexdigest()
     assert rollouts["prompt_id"].to_list()[:4] == [p1] * 4
-    assert rollouts["prompt_id"].to_list()[8:] == [p3] * 4 + [f"{p3}-1"] * 4
+    assert rollouts["prompt_id"].to_list()[8:] == [p3] * 4 + [f"{p3}#2"] * 4  # as the importer
     assert rollouts["reward"].to_list()[:4] == [1.5, 0.5, 0.5, 1.5]  # acc + 0.5 * fmt
     assert rollouts["reward"].to_list()[8:12] == [1.0, 1.0, 0.0, 0.0]
     assert rollouts["correct"].to_list()[:4] == [True, False, False, True]

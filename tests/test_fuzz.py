@@ -259,17 +259,23 @@ def write_run(spec: dict, root: Path) -> Path:
 
 
 def expected_rollouts(cols: dict[str, tuple]) -> int | None:
-    """Rows with a finite reward and a plausible (or missing) response_len, when countable."""
-    reward, length = cols.get("reward"), cols.get("response_len")
+    """Rows with a step, a finite reward and a plausible (or missing) response_len, when
+    countable."""
+    reward, length, step = cols.get("reward"), cols.get("response_len"), cols.get("step")
     if reward is None or not reward[0].startswith(("float", "int")):
         return None
     if length is not None and not length[0].startswith("int"):
         return None
+    if step is None or not step[0].startswith("int"):
+        return None
     lengths = length[1] if length is not None else [None] * len(reward[1])
     return sum(
         1
-        for r, n in zip(reward[1], lengths, strict=True)
-        if r is not None and math.isfinite(r) and (n is None or 0 <= n <= MAX_RESPONSE_LEN)
+        for r, n, s in zip(reward[1], lengths, step[1], strict=True)
+        if s is not None
+        and r is not None
+        and math.isfinite(r)
+        and (n is None or 0 <= n <= MAX_RESPONSE_LEN)
     )
 
 

@@ -20,9 +20,16 @@ WORDS_NOTE = (
 ASSISTANT = ("assistant",)
 
 
-def prompt_id(text: str) -> str:
-    """Stable prompt id: blake2b (8 bytes) of the prompt's UTF-8 text, in hex."""
-    return hashlib.blake2b(text.encode("utf-8"), digest_size=8).hexdigest()
+#: Joins a prompt's id and the number of its group when one batch holds the prompt twice
+#: (`<hash>#2` is its second group in the step): every importer and integration uses it.
+REPEAT_SEPARATOR = "#"
+
+
+def prompt_id(text: str, repeat: int = 0) -> str:
+    """Stable prompt id: blake2b (8 bytes) of the prompt's UTF-8 text, in hex; the `repeat`-th
+    further group of the same prompt in one step (0 = the first) gets `#<repeat + 1>`."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).hexdigest()
+    return digest if repeat == 0 else f"{digest}{REPEAT_SEPARATOR}{repeat + 1}"
 
 
 def prompt_ids(texts: pl.Series) -> pl.Series:

@@ -34,6 +34,7 @@ from rlscope.importers._common import (
 from rlscope.importers._jsonl import LINE, normalize_extras
 from rlscope.importers.text import (
     ASSISTANT,
+    REPEAT_SEPARATOR,
     WORDS_NOTE,
     answer_expr,
     messages_expr,
@@ -560,7 +561,7 @@ def _import_file(
     prompt_id = (
         pl.when(pl.col("_repeat") == 0)
         .then(pl.col("_hash"))
-        .otherwise(pl.col("_hash") + "#" + (pl.col("_repeat") + 1).cast(pl.String))
+        .otherwise(pl.col("_hash") + REPEAT_SEPARATOR + (pl.col("_repeat") + 1).cast(pl.String))
     )
     frame = index_within_step(frame)
     consumed = {"step", "prompt", "completion", "advantage", LINE}

@@ -79,6 +79,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from rlscope.importers._common import accuracy_like
+from rlscope.importers.text import prompt_id
 from rlscope.schema import RUN_FIELDS
 from rlscope.writer import RunWriter
 
@@ -442,11 +443,10 @@ class RlscopeCallback(_CallbackBase):
         ids: list[str] = []
         seen: dict[str, int] = {}
         for start, end in bounds:
-            digest = hashlib.blake2b(prompts[start].encode(), digest_size=8).hexdigest()
-            repeat = seen.get(digest, 0)
-            seen[digest] = repeat + 1
+            repeat = seen.get(prompts[start], 0)
+            seen[prompts[start]] = repeat + 1
             # The same prompt drawn twice in one batch is two groups, not one of 2G.
-            ids.extend([digest if repeat == 0 else f"{digest}-{repeat}"] * (end - start))
+            ids.extend([prompt_id(prompts[start], repeat)] * (end - start))
         return ids
 
     def _reward_weights(self, names: list[str]) -> list[float]:
