@@ -199,16 +199,40 @@ def level_severity(level: float, params: Mapping[str, float], se: float = 0.0) -
     return "critical" if level >= params["critical_at"] else "warn"
 
 
-def final_level(ctx: RuleContext, metric_id: str) -> tuple[Series, float, str] | None:
-    """A metric's final-window level and its severity by the rule's `warn_at`/`critical_at`
-    (judged with the window's standard error), or None when it is short of `min_steps` or
-    below the thresholds."""
+#: How every final-window level rule allows for sampling error (appended to their docs).
+LEVEL_NOTE = (
+    " The level is judged two standard errors deep: the final-window mean (the last tenth of "
+    "the steps, at least 3) minus twice its standard error from the window's step-to-step "
+    "scatter must reach `warn_at`, so a small batch (few rollouts a step) or a short run does "
+    "not fire on noise; `critical_at` then applies to the level itself. Shares of the run's "
+    "own rollouts, so they hold at any run length and group size."
+)
+
+
+@dataclass(frozen=True)
+class Level:
+    """A metric's final-window level past a rule's `warn_at`, and the severity it earns."""
+
+    series: Series
+    value: float  # the metric's final-window mean
+    level: float  # what was judged: the value, or 1 - value, less what another finding explains
+    severity: str
+
+
+def final_level(
+    ctx: RuleContext, metric_id: str, *, complement: bool = False, excused: float = 0.0
+) -> Level | None:
+    """The one level judgement of the rules: a metric's final-window mean (of 1 - value with
+    `complement`, less the share `excused` that another finding explains) against the rule's
+    `warn_at`/`critical_at`, allowing for the window's standard error (LEVEL_NOTE). None when
+    the series is shorter than `min_steps` (default 1) or the level is below the thresholds."""
     series = ctx.series(metric_id)
-    if series is None or len(series) < ctx.params.get("min_steps", 1):
+    if series is None or len(series) < max(1, ctx.params.get("min_steps", 1)):
         return None
-    level = final_mean(series)
+    value = final_mean(series)
+    level = max((1.0 - value if complement else value) - excused, 0.0)
     severity = level_severity(level, ctx.params, final_se(series))
-    return None if severity is None else (series, level, severity)
+    return None if severity is None else Level(series, value, level, severity)
 
 
 def share_se(share: float, units: float, scatter: np.ndarray | None = None) -> float:

@@ -11,14 +11,14 @@ import polars as pl
 from rlscope.registry import Param, rule
 from rlscope.report import Finding
 from rlscope.rules.base import (
+    LEVEL_NOTE,
     MIN_TREND_STEPS,
     RuleContext,
     compare_windows,
     example_ids,
+    final_level,
     final_mean,
-    final_se,
     final_steps,
-    level_severity,
     pct,
     pooled_corr,
     rolling_median,
@@ -209,16 +209,6 @@ def overthinking(ctx: RuleContext) -> Iterator[Finding]:
         )
 
 
-#: How every final-window level rule allows for sampling error (appended to their docs).
-LEVEL_NOTE = (
-    " The level is judged two standard errors deep: the final-window mean (the last tenth of "
-    "the steps, at least 3) minus twice its standard error from the window's step-to-step "
-    "scatter must reach `warn_at`, so a small batch (few rollouts a step) or a short run does "
-    "not fire on noise; `critical_at` then applies to the level itself. Shares of the run's "
-    "own rollouts, so they hold at any run length and group size."
-)
-
-
 def _level_rule(
     ctx: RuleContext,
     metric_id: str,
@@ -231,14 +221,10 @@ def _level_rule(
     """A final-window level against `warn_at`/`critical_at` (of 1 - value with `complement`),
     less the share `excused` that another finding explains; `examples` picks rollout ids from
     the per-rollout rows of the final window."""
-    series = ctx.series(metric_id)
-    if series is None or len(series) == 0:
+    found = final_level(ctx, metric_id, complement=complement, excused=excused)
+    if found is None:
         return
-    value = final_mean(series)
-    level = max((1.0 - value if complement else value) - excused, 0.0)
-    severity = level_severity(level, ctx.params, final_se(series))
-    if severity is None:
-        return
+    series = found.series
     evidence = {}
     rows = ctx.rollout_rows()
     if examples is not None and rows is not None:
@@ -246,15 +232,15 @@ def _level_rule(
         recent = rows.filter((pl.col("split") == "train") & (pl.col("step") >= first))
         evidence["rollout_ids"] = examples(recent)
     yield ctx.finding(
-        f"{pct(level)} of {what} over the last steps"
+        f"{pct(found.level)} of {what} over the last steps"
         + (
             f"; e.g. rollouts {', '.join(map(str, evidence['rollout_ids']))}"
             if evidence.get("rollout_ids")
             else ""
         )
         + ".",
-        severity=severity,
-        final_value=value,
+        severity=found.severity,
+        final_value=found.value,
         steps=[int(series.steps[-1])],
         **evidence,
     )

@@ -136,13 +136,12 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
 def kl_high(ctx: RuleContext) -> Iterator[Finding]:
     found = final_level(ctx, "stability.kl")
     if found is not None:
-        kl, level, severity = found
         yield ctx.finding(
-            f"KL to the reference is {level:.3g} nats/token over the last steps: the policy "
-            "has drifted far from its starting model.",
-            severity=severity,
-            final_kl=level,
-            steps=[final_steps(kl), int(kl.steps[-1])],
+            f"KL to the reference is {found.level:.3g} nats/token over the last steps: the "
+            "policy has drifted far from its starting model.",
+            severity=found.severity,
+            final_kl=found.level,
+            steps=[final_steps(found.series), int(found.series.steps[-1])],
         )
 
 
@@ -326,13 +325,12 @@ def clip_too_high(ctx: RuleContext) -> Iterator[Finding]:
     found = final_level(ctx, "stability.clip_frac")
     if found is None or _low_entropy_high_clip(ctx) is not None:
         return
-    clip, level, severity = found
     yield ctx.finding(
-        f"{pct(level)} of tokens are clipped over the last steps: each update moves the policy "
-        "far past the trust region.",
-        severity=severity,
-        clip_frac_end=level,
-        steps=[final_steps(clip), int(clip.steps[-1])],
+        f"{pct(found.level)} of tokens are clipped over the last steps: each update moves the "
+        "policy far past the trust region.",
+        severity=found.severity,
+        clip_frac_end=found.level,
+        steps=[final_steps(found.series), int(found.series.steps[-1])],
     )
 
 
