@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
+from rlscope.metrics._common import pass_at_k
 from rlscope.reader import open_run, scan_error, valid_rollout
 from rlscope.windows import window_size
 
@@ -52,11 +52,6 @@ class PlotData:
     length: LengthBins | None
     sigma: SigmaHistogram | None
     pass_k: PassCurve | None
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Chen et al.'s unbiased pass@k = 1 - C(n-c, k) / C(n, k) (as `signal.pass_at_k`)."""
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def plot_data(

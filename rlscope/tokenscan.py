@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlscope._version import __version__
+from rlscope.atomic import atomic_write
 from rlscope.cache import cache_root
 from rlscope.reader import INVALID_PREFIX, Run, conform
 
@@ -691,9 +692,7 @@ class PartialCache:
                 frames = ([old] if old is not None and old.height else []) + tagged[level]
                 pack = pl.concat(frames, how="diagonal_relaxed")
                 pack.write_ipc(generation / f"{_pack_name(level)}.arrow")
-            pointer = folder / f"CURRENT.{generation.name}"
-            pointer.write_text(generation.name)
-            os.replace(pointer, folder / "CURRENT")
+            atomic_write(folder / "CURRENT", generation.name)
         except OSError:
             return
         for stale in folder.glob("gen-*"):  # earlier generations (a reader may still hold one)

@@ -14,6 +14,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlscope.atomic import atomic_write
 from rlscope.schema import RUN_FIELDS, RUN_JSON, SCHEMA_VERSION, TABLES
 
 # Rows buffered per table before a flush writes one file (one row group of this size).
@@ -120,7 +121,7 @@ class RunWriter:
                 "algorithm": algorithm,
                 **{k: v for k, v in meta.items() if v is not None},
             }
-            self._atomic_write(run_json, (json.dumps(doc, indent=2) + "\n").encode())
+            atomic_write(run_json, json.dumps(doc, indent=2) + "\n")
         # Continue numbering after files an earlier process of this rank left behind.
         prefix = f"r{self.rank:03d}-"
         for table in TABLES:
@@ -217,15 +218,6 @@ class RunWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @staticmethod
-    def _atomic_write(path: Path, data: bytes) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
 
 
 def _scalar(value: Any) -> Any:

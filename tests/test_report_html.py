@@ -16,7 +16,8 @@ import pytest
 from conftest import run_cli as rlscope
 
 from rlscope.analysis import analyze
-from rlscope.plots import PlotData, pass_at_k, plot_data
+from rlscope.metrics._common import pass_at_k
+from rlscope.plots import PlotData, plot_data
 from rlscope.render.html import render_html, write_report
 from rlscope.report import MetricResult
 from rlscope.synth import generate

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from copy import deepcopy
@@ -15,6 +14,7 @@ from typing import Any
 
 import polars as pl
 
+from rlscope.atomic import atomic_write
 from rlscope.errors import RlscopeError
 from rlscope.schema import RUN_JSON, TABLES
 from rlscope.writer import RunWriter
@@ -307,15 +307,6 @@ def split_namespace(split: str) -> int:
     if split in fixed:
         return fixed[split]
     return 3 + int(hashlib.blake2b(split.encode(), digest_size=4).hexdigest(), 16) % 9000
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def _parquet_files(out: Path) -> set[str]:
@@ -613,7 +604,7 @@ class Session:
         self.out.mkdir(parents=True, exist_ok=True)
         self.entry["updated"] = datetime.now(UTC).isoformat(timespec="seconds")
         self.manifest["imports"][self.key] = self.entry
-        _atomic_write(self.out / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
+        atomic_write(self.out / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
         self._dirty = False
 
     def _run_meta(self) -> dict[str, Any]:
@@ -650,7 +641,7 @@ class Session:
             return
         missing = {k: v for k, v in meta.items() if v is not None and k not in doc}
         if isinstance(doc, dict) and missing:
-            _atomic_write(path, json.dumps({**doc, **missing}, indent=2) + "\n")
+            atomic_write(path, json.dumps({**doc, **missing}, indent=2) + "\n")
             self.notes.append(f"run.json kept; added {', '.join(sorted(missing))}")
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from math import comb
 
 import polars as pl
 
@@ -116,3 +117,8 @@ def per_rollout(
         level="rollout",
         prelude=prelude or {},
     )
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al.'s unbiased estimator 1 - C(n-c, k) / C(n, k), exactly (needs n >= k)."""
+    return 1.0 - comb(n - c, k) / comb(n, k)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from math import comb
-
 import polars as pl
 
-from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, train
+from rlscope.metrics._common import (
+    custom,
+    f64,
+    pass_at_k,
+    ratio_variant,
+    safe_div,
+    step_column,
+    train,
+)
 from rlscope.metrics.behavior import N_CORRECT, N
 from rlscope.reader import Run
 from rlscope.registry import Context, Metric, register_family, register_metric
@@ -201,11 +207,6 @@ register_metric(
 
 
 _NO_K = "no train group has at least k rollouts (k = run.json group_size or the modal size)"
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Chen et al.'s unbiased estimator 1 - C(n-c, k) / C(n, k), exactly (needs n >= k)."""
-    return 1.0 - comb(n - c, k) / comb(n, k)
 
 
 def ks_for(group_size: int) -> list[int]:
