@@ -11,7 +11,7 @@ from typing import Annotated, NoReturn
 import typer
 from rich.console import Console
 
-from rlscope.errors import RlscopeError
+from rlscope.errors import RlscopeError, did_you_mean
 from rlscope.render.sanitize import safe_text
 
 app = typer.Typer(
@@ -304,8 +304,7 @@ def explain(
 
     item = lookup(id)
     if item is None:
-        close = [i for i in [*METRICS, *RULES] if id.lower() in i.lower()]
-        hint = f"did you mean {', '.join(close[:5])}?" if close else "`rlscope metrics` lists ids"
+        hint = did_you_mean(id, [*METRICS, *RULES], "`rlscope metrics` lists ids")
         _fail(RlscopeError(f"unknown id {id!r}", hint=hint))
     _stdout().print(item.explain(), markup=False, highlight=False)
 

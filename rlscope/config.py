@@ -11,7 +11,7 @@ from typing import Any
 import polars as pl
 
 from rlscope.catalog import load_all
-from rlscope.errors import RlscopeError
+from rlscope.errors import RlscopeError, did_you_mean
 from rlscope.registry import RULES
 from rlscope.report import SEVERITIES
 from rlscope.text import SEGMENTS, TagSet, TextSettings
@@ -61,7 +61,8 @@ def _parse(file: Path, table: dict[str, Any]) -> Config:
         rule = RULES.get(rule_id)
         where = f"{file}: [findings.{rule_id}]"
         if rule is None:
-            raise RlscopeError(f"{where}: unknown finding id", hint="`rlscope metrics` lists them")
+            hint = did_you_mean(rule_id, RULES, "`rlscope metrics` lists them")
+            raise RlscopeError(f"{where}: unknown finding id", hint=hint)
         if not isinstance(override, dict):
             raise RlscopeError(f"{where} must be a table")
         for key, value in override.items():

@@ -11,7 +11,7 @@ import polars as pl
 import pyarrow as pa
 
 from rlscope.catalog import load_all
-from rlscope.errors import RlscopeError
+from rlscope.errors import RlscopeError, did_you_mean
 from rlscope.reader import INVALID_PREFIX, Run, invalid_warnings, scan_error, valid_rollout
 from rlscope.registry import (
     METRICS,
@@ -254,9 +254,8 @@ def compute(
         metric_ids = list(metric_ids)
         unknown = [m for m in metric_ids if m not in catalog and m not in METRICS]
         if unknown:
-            raise RlscopeError(
-                f"unknown metric id(s): {', '.join(unknown)}", hint="`rlscope metrics` lists them"
-            )
+            hint = did_you_mean(unknown[0], [*METRICS, *catalog], "`rlscope metrics` lists them")
+            raise RlscopeError(f"unknown metric id(s): {', '.join(unknown)}", hint=hint)
         # A family template (`signal.reward.*`) selects all of this run's members.
         metrics = [
             m

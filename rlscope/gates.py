@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlscope.config import Config, _read, load_config
-from rlscope.errors import RlscopeError
+from rlscope.errors import RlscopeError, did_you_mean
 from rlscope.report import SEVERITIES, Finding, Report, json_safe, severity_rank
 
 FAIL_LEVELS = (*SEVERITIES, "never")
@@ -205,10 +205,7 @@ def _parse(file: Path, table: Any, config: Config) -> GateSpec:
     for metric_id, spec in raw.items():
         where = f'{file}: [gates."{metric_id}"]'
         if metric_id not in METRICS:
-            close = [m for m in METRICS if metric_id.split(".")[-1] in m]
-            hint = (
-                f"did you mean {', '.join(close[:5])}?" if close else "`rlscope metrics` lists ids"
-            )
+            hint = did_you_mean(metric_id, METRICS, "`rlscope metrics` lists ids")
             raise RlscopeError(f"{where}: unknown metric id", hint=hint)
         if not isinstance(spec, dict):
             raise RlscopeError(f"{where} must be a table (e.g. min = 0.3)")

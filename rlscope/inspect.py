@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import os
@@ -14,7 +13,7 @@ from typing import Any
 import polars as pl
 
 from rlscope.config import Config, load_config
-from rlscope.errors import RlscopeError
+from rlscope.errors import RlscopeError, did_you_mean
 from rlscope.reader import Run, open_run, scan_error
 from rlscope.report import json_safe
 from rlscope.text import TagSet, parse_segments
@@ -402,10 +401,7 @@ def finding_rollouts(
     rule = RULES.get(finding)
     if rule is None:
         what = "a metric id, not a finding id" if finding in METRICS else "unknown finding id"
-        close = [r for r in RULES if finding.lower() in r.lower()]
-        hint = "`rlscope metrics` lists finding ids"
-        if close:
-            hint = f"did you mean {', '.join(close[:5])}? " + hint
+        hint = did_you_mean(finding, RULES, "`rlscope metrics` lists finding ids")
         raise RlscopeError(f"--finding {finding!r}: {what}", hint=hint)
     config = config if config is not None else load_config()
     if config.findings.get(finding, {}).get("enabled", True) is False:
@@ -684,10 +680,9 @@ def compile_filter(node: Node, schema: Mapping[str, pl.DataType], text: str = ""
 
     def column(name: str) -> str:
         if name not in schema:
-            close = difflib.get_close_matches(name, list(schema), n=3)
-            hint = "columns of the rollouts table: " + ", ".join(schema)
-            if close:
-                hint = f"did you mean {', '.join(close)}? " + hint
+            columns = "columns of the rollouts table: " + ", ".join(schema)
+            hint = did_you_mean(name, schema, columns)
+            hint = columns if hint == columns else f"{hint} {columns}"
             raise _filter_error(text, f"unknown column `{name}`", hint=hint)
         return _kind(schema[name])
 

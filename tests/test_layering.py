@@ -129,3 +129,18 @@ def test_a_renderer_in_a_fresh_interpreter_sees_the_whole_catalog() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_one_did_you_mean() -> None:
+    from rlscope.errors import did_you_mean
+
+    ids = ["behavior.entropy", "behavior.entropy_p80", "entropy-collapse", "mode-collapse"]
+    assert did_you_mean("entropy-colapse", ids, "none").startswith("did you mean entropy-collapse")
+    assert "behavior.entropy" in did_you_mean("behavior.entrpy", ids + ids, "none")
+    assert did_you_mean("behavior.entrpy", ids + ids, "none").count("behavior.entropy,") == 1
+    assert (
+        did_you_mean("zzz", ids, "`rlscope metrics` lists them") == "`rlscope metrics` lists them"
+    )
+    # Every "did you mean" in the package comes from that one function.
+    sources = "".join(p.read_text() for p in PACKAGE.rglob("*.py") if p.name != "errors.py")
+    assert "did you mean" not in sources and "get_close_matches" not in sources
