@@ -122,6 +122,17 @@ def test_summary_is_the_final_window_of_defined_steps(
     assert final_window([1.0, 2.0, 3.0, 4.0]) == 3.0
 
 
+def test_lr_is_the_logged_step_mean(write_run: WriteRun, check_series: CheckSeries) -> None:
+    rows = [{"step": s, "lr": 1e-6 * (1 - s / 10)} for s in range(1, 11)]
+    rows += [{"step": 4, "lr": 0.0}, {"step": 12, "lr": float("nan")}]  # a duplicate; undefined
+    path = write_run({"rollouts": rollouts_for([1]), "steps": rows})
+    result = compute(open_run(path)).results["stability.lr"]
+    expected = {s: 1e-6 * (1 - s / 10) for s in range(1, 11)} | {4: 0.6e-6 / 2}
+    check_series(result, expected)
+    assert result.value == pytest.approx(np.mean([0.2e-6, 0.1e-6, 0.0]), abs=1e-18)
+    assert result.source == "steps.lr as logged"
+
+
 def test_loss_skipped_without_steps_table(write_run: WriteRun) -> None:
     computed = compute(open_run(write_run({"rollouts": rollouts_for([1])})))
     skipped = {s.metric: s.reason for s in computed.skipped}

@@ -278,6 +278,34 @@ def test_divergence_end_to_end_from_a_nan_grad_norm(write_run) -> None:
     assert [(f.id, f.evidence["steps"]) for f in report.findings] == [("divergence", [7])]
 
 
+def test_lr_zero_both_ways() -> None:
+    steps = list(range(1, 41))
+    never = judge("lr-zero", {"stability.lr": [0.0] * 40})
+    assert ids(never) == ["lr-zero"] and never[0].severity == "critical"
+    early_end = [1e-6] * 30 + [0.0] * 10  # the schedule reached 0 at step 31
+    found = judge("lr-zero", {"stability.lr": early_end})
+    assert ids(found) == ["lr-zero"] and found[0].severity == "warn"
+    assert found[0].evidence["steps"] == [31, 40] and "last 10 steps" in found[0].message
+    # Warmup from 0, a linear decay to 0 at the last step, or a tiny rate: silent.
+    warmup = [0.0] * 5 + [1e-6] * 35
+    decay = [1e-6 * (1 - s / 40) for s in steps]
+    for healthy in (warmup, decay, [1e-9] * 40, [0.0, 1e-6]):
+        assert judge("lr-zero", {"stability.lr": healthy}) == []
+
+
+def test_lr_zero_end_to_end(write_run) -> None:
+    steps = [{"step": s, "loss": 0.1, "lr": 0.0 if s > 15 else 1e-6} for s in range(1, 21)]
+    rollouts = {
+        "rollout_id": list(range(40)),
+        "step": [1 + i // 2 for i in range(40)],
+        "prompt_id": ["p"] * 40,
+        "reward": [float(i % 2) for i in range(40)],
+        "response_len": [10] * 40,
+    }
+    report = analyze(write_run({"steps": steps, "rollouts": rollouts}), metrics=["stability.lr"])
+    assert [(f.id, f.evidence["steps"]) for f in report.findings] == [("lr-zero", [16, 20])]
+
+
 def test_kl_high_by_level() -> None:
     assert ids(judge("kl-high", {"stability.kl": noisy(1.4, 1.3, 50, 0.2)})) == ["kl-high"]
     assert judge("kl-high", {"stability.kl": noisy(0.007, 0.07, 200, 0.02)}) == []

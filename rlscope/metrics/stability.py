@@ -41,6 +41,23 @@ register_metric(
 )
 
 
+register_metric(
+    Metric(
+        id="stability.lr",
+        brief="learning rate as logged",
+        layer="L1",
+        title="Learning rate",
+        doc="The trainer's logged learning rate per step (format v1 `lr`; TRL `learning_rate`, "
+        "verl `actor/lr`). An optimizer step moves the weights by the learning rate times the "
+        "(Adam-normalised) gradient, so where the rate is 0 nothing is learned whatever the loss "
+        "and gradients show: a warmup longer than the run, a schedule that reaches 0 early, or "
+        "a rate of 0 in the config.",
+        healthy="> 0 at every step after warmup; a schedule may decay towards 0 at the very end",
+        variants=(step_column("lr"),),
+    )
+)
+
+
 def _nonfinite(column: str) -> pl.Expr:
     """Values of `column` that were NaN or ±inf in the file (the reader reads them as null and
     flags them; `column` is named too so that the steps scan turns the flags on)."""

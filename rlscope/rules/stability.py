@@ -393,6 +393,46 @@ def clip_too_low(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
+    "lr-zero",
+    brief="learning rate 0 over the whole final window (critical when 0 at every step)",
+    layer="L1",
+    title="The learning rate is zero: the optimizer does not move the weights",
+    doc="The logged learning rate (stability.lr) is exactly 0 at every step of the final "
+    "window (the last tenth of the steps, at least 3), or critical, at every step of the run. "
+    "An optimizer step changes the weights by the learning rate times the normalised gradient, "
+    "so those steps cost a full rollout and backward pass and learn nothing: a warmup longer "
+    "than the run, a decay that reaches 0 before the last step, or lr = 0 in the config. The "
+    "rate is logged, not estimated, so there is no sampling error; a schedule that decays to 0 "
+    "only at its very last step leaves the rest of the window above 0 and stays silent, at any "
+    "run length.",
+    remedy="check the scheduler (warmup steps vs total steps, decay end) and the configured "
+    "learning rate; check that the logged rate is the policy optimizer's.",
+    metrics=("stability.lr",),
+    params={"min_steps": Param(3, "fewest steps to judge")},
+)
+def lr_zero(ctx: RuleContext) -> Iterator[Finding]:
+    lr = ctx.series("stability.lr")
+    if lr is None or len(lr) < ctx.params["min_steps"]:
+        return
+    zero = lr.values == 0.0
+    first = final_steps(lr)
+    if not zero[lr.steps >= first].all():
+        return
+    never = bool(zero.all())
+    stopped = int(lr.steps[np.flatnonzero(~zero)[-1] + 1]) if not never else int(lr.steps[0])
+    yield ctx.finding(
+        (
+            "The learning rate is 0 at every logged step: the run never updated the weights."
+            if never
+            else f"The learning rate is 0 from step {stopped} on: the last "
+            f"{int((lr.steps >= stopped).sum())} steps trained nothing."
+        ),
+        severity="critical" if never else None,
+        steps=[stopped, int(lr.steps[-1])],
+    )
+
+
+@rule(
     "divergence",
     brief="critical: a NaN or infinite loss or grad norm at any step; names the steps",
     layer="L1",
