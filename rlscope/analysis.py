@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from rlscope.cache import import_cache_dir
+from rlscope.cache import PartialCache, import_cache_dir
 from rlscope.config import Config, load_config
 from rlscope.engine import Computed, compute
 from rlscope.errors import RlscopeError
 from rlscope.evaluation import evaluate
 from rlscope.reader import Run, open_run, scan_error
 from rlscope.report import Report, RunInfo
-from rlscope.tokenscan import Mapper, PartialCache
+from rlscope.tokenscan import Mapper
 
 if TYPE_CHECKING:
     from rlscope.importers._base import Progress

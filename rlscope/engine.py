@@ -24,7 +24,7 @@ from rlscope.registry import (
 )
 from rlscope.report import Logged, MetricResult, Skipped
 from rlscope.text import TextSettings
-from rlscope.tokenscan import ROWS, Mapper, PartialCache, ScanStats, TokenPlan, scan_tokens
+from rlscope.tokenscan import ROWS, Mapper, PartialStore, ScanStats, TokenPlan, scan_tokens
 from rlscope.trajectory import decline_shape
 from rlscope.windows import final_window
 
@@ -232,7 +232,7 @@ def compute(
     metric_ids: Iterable[str] | None = None,
     *,
     text: TextSettings | None = None,
-    cache: PartialCache | None = None,
+    cache: PartialStore | None = None,
     progress: Callable[[int, int], None] | None = None,
     mapper: Mapper | None = None,
     first_variant: Mapping[str, int] | None = None,

@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import polars as pl
@@ -39,8 +37,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlscope._version import __version__
-from rlscope.atomic import atomic_write
-from rlscope.cache import cache_root
 from rlscope.reader import INVALID_PREFIX, Run, conform
 
 #: Per-step entropy quantiles come from a histogram with log-spaced bins: bin b covers
@@ -84,7 +80,7 @@ _KEY_TYPES = {
 }
 #: The one partial of the entropy_bins level: tokens per (step, bin).
 BIN_COUNT = pl.col("entropy").count().cast(pl.Int64)
-_ID = "__file_id__"  # a cached file's id within its run's pack
+FILE_ID = "__file_id__"  # a cached file's id within its run's pack
 FILE = "__file__"  # a file's index within a chunk
 #: The partial aggregations the merge (a sum) is exact for; a token partial must end in one.
 _ADDITIVE = ("sum()", "count()", "len()", "n_unique()")
@@ -532,7 +528,7 @@ def merge(
     return _summed([parts], plan)[0]
 
 
-def _value_columns(level: str, plan: TokenPlan) -> list[str]:
+def value_columns(level: str, plan: TokenPlan) -> list[str]:
     if level == "ids":
         return ["len"]
     names = list(plan.partials.get(level, {}))
@@ -550,7 +546,7 @@ def _summed(
     queries = []
     for level in plan.levels:
         keys = LEVEL_KEYS[level]
-        values = _value_columns(level, plan)
+        values = value_columns(level, plan)
         frames = [(index, f) for index, one in enumerate(parts) for f in one[level] if f.height]
         if not frames:
             schema = {FILE: pl.Int32} | {k: _KEY_TYPES[k] for k in keys}
@@ -600,62 +596,15 @@ def _widen(name: str, dtype: pl.DataType) -> pl.Expr:
     return pl.col(name).cast(pl.Float64)
 
 
-class PartialCache:
-    """File partials on disk, per run and plan: `<root>/token-partials/<plan>/<run>/` holds the
-    current generation of a pack — `files.arrow` (each cached file's key and id) and one Arrow
-    IPC file per level with the partials of every cached file, tagged by id — so loading costs
-    one read per level whatever the number of files. A file's key is its resolved path, size,
-    mtime, inode and the types and hive values it is read with: a rewritten or replaced file is
-    never served stale. A new generation is written in its own folder and then named in
-    `CURRENT` (an atomic rename): readers see a whole pack or the previous one."""
+class PartialStore(Protocol):
+    """Where file partials are kept between analyses (rlscope.cache.PartialCache): `load` says
+    which files it holds and leaves their merged partials in `loaded`; `store` adds new ones."""
 
-    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
-        self.root = cache_root(root) / "token-partials"
-        self.loaded: dict[str, pl.DataFrame] = {}  # by `load`: every hit's partials, merged
-        self._ids: dict[str, int] = {}  # key -> id of the files found by `load`
-        self._packs: dict[str, pl.DataFrame] = {}
-
-    @staticmethod
-    def key(file: TokenFile) -> str:
-        size, mtime_ns, inode = file.stat
-        parts = [
-            str(file.path.resolve()),
-            str(size),
-            str(mtime_ns),
-            str(inode),
-            repr(sorted((c, str(t)) for c, t in file.schema.items() if c in file.target)),
-            repr(sorted(file.hive.items())),
-        ]
-        return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
-
-    def folder(self, run: Run, fingerprint: str) -> Path:
-        digest = hashlib.blake2b(str(run.path.resolve()).encode(), digest_size=16).hexdigest()
-        return self.root / fingerprint / digest
+    loaded: dict[str, pl.DataFrame]
 
     def load(
         self, run: Run, files: list[TokenFile], plan: TokenPlan, fingerprint: str
-    ) -> list[bool]:
-        """Which files have cached partials; theirs, merged, are left in `self.loaded`."""
-        self.loaded, self._ids, self._packs = {}, {}, {}
-        folder = self.folder(run, fingerprint)
-        try:
-            generation = folder / (folder / "CURRENT").read_text().strip()
-            known = pl.read_ipc(generation / "files.arrow")
-            packs = {lv: pl.read_ipc(generation / f"{_pack_name(lv)}.arrow") for lv in plan.levels}
-        except (OSError, pl.exceptions.PolarsError):
-            return [False] * len(files)  # nothing yet, or unreadable: recompute
-        columns = {lv: [*LEVEL_KEYS[lv], *_value_columns(lv, plan)] for lv in plan.levels}
-        if any(c not in packs[lv].columns for lv, cols in columns.items() for c in cols):
-            return [False] * len(files)
-        stored = dict(zip(known["key"].to_list(), known["id"].to_list(), strict=True))
-        keys = [self.key(f) for f in files]
-        self._ids = {k: stored[k] for k in keys if k in stored}
-        hits = pl.Series(list(self._ids.values()), dtype=pl.Int64)
-        self._packs = {
-            lv: pack.filter(pl.col(_ID).is_in(hits.implode())) for lv, pack in packs.items()
-        }
-        self.loaded = {lv: self._packs[lv].select(columns[lv]) for lv in plan.levels}
-        return [k in self._ids for k in keys]
+    ) -> list[bool]: ...
 
     def store(
         self,
@@ -663,45 +612,7 @@ class PartialCache:
         fingerprint: str,
         new: list[tuple[TokenFile, Mapping[str, pl.DataFrame]]],
         plan: TokenPlan,
-    ) -> None:
-        """A new generation: the loaded files' partials plus the new ones (the files of this
-        snapshot only). A read-only or full cache dir costs speed, never a result."""
-        if not new:
-            return
-        ids = dict(self._ids)
-        next_id = max(ids.values(), default=-1) + 1
-        tagged: dict[str, list[pl.DataFrame]] = {lv: [] for lv in plan.levels}
-        for file, partials in new:
-            ids[self.key(file)] = next_id
-            for level in plan.levels:
-                tagged[level].append(
-                    partials[level].with_columns(pl.lit(next_id, pl.Int64).alias(_ID))
-                )
-            next_id += 1
-        folder = self.folder(run, fingerprint)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            generation = Path(tempfile.mkdtemp(dir=folder, prefix="gen-"))
-            files = pl.DataFrame(
-                {"key": list(ids), "id": list(ids.values())},
-                schema={"key": pl.String, "id": pl.Int64},
-            )
-            files.write_ipc(generation / "files.arrow")
-            for level in plan.levels:
-                old = self._packs.get(level)
-                frames = ([old] if old is not None and old.height else []) + tagged[level]
-                pack = pl.concat(frames, how="diagonal_relaxed")
-                pack.write_ipc(generation / f"{_pack_name(level)}.arrow")
-            atomic_write(folder / "CURRENT", generation.name)
-        except OSError:
-            return
-        for stale in folder.glob("gen-*"):  # earlier generations (a reader may still hold one)
-            if stale != generation:
-                shutil.rmtree(stale, ignore_errors=True)
-
-
-def _pack_name(level: str) -> str:
-    return level or "steps"
+    ) -> None: ...
 
 
 #: Any `map`: the builtin, `Executor.map`, or a distributed engine's map over the chunks of
@@ -713,7 +624,7 @@ def scan_tokens(
     run: Run,
     plan: TokenPlan,
     *,
-    cache: PartialCache | None = None,
+    cache: PartialStore | None = None,
     progress: Callable[[int, int], None] | None = None,
     mapper: Mapper | None = None,
 ) -> tuple[dict[str, pl.DataFrame], ScanStats]:

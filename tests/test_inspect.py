@@ -19,18 +19,8 @@ from rich.console import Console
 from rlscope.analysis import analyze
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
-from rlscope.inspect import (
-    BoolOp,
-    Compare,
-    Contains,
-    Not,
-    evidence_rollout_ids,
-    filter_expr,
-    parse_filter,
-    rollout,
-    rollouts,
-    word_entropy,
-)
+from rlscope.filterlang import BoolOp, Compare, Contains, Not, filter_expr, parse_filter
+from rlscope.inspect import evidence_rollout_ids, rollout, rollouts, word_entropy
 from rlscope.reader import open_run
 from rlscope.render.rollout import entropy_sparkline, heat_strip, heat_style, render_rollout
 from rlscope.synth import generate

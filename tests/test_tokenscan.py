@@ -17,11 +17,11 @@ import pytest
 
 from rlscope import tokenscan
 from rlscope.analysis import analyze
+from rlscope.cache import PartialCache
 from rlscope.engine import compute, token_plan
 from rlscope.reader import open_run
 from rlscope.tokenscan import (
     ROWS,
-    PartialCache,
     TokenPlan,
     file_partials,
     is_additive,
