@@ -590,7 +590,7 @@ def test_flushes_keep_the_manifest_in_step(tmp_path: Path, monkeypatch: pytest.M
     """Small flushes: several Parquet files, each recorded in import.json when written; rows
     of only the required verl keys (no extra column); a step of too many rollouts is an
     error rather than clashing ids."""
-    import rlscope.importers._base as base
+    import rlscope.importers.session as base
 
     src = tmp_path / "plain"
     for step in (1, 2, 3):

@@ -7,16 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from rlscope.errors import RlscopeError
-from rlscope.importers._base import (
-    MANIFEST,
-    Importer,
-    ImportResult,
-    Option,
-    Progress,
-    Session,
-    check_paths,
-)
 from rlscope.importers.jsonl import JSONL
+from rlscope.importers.manifest import MANIFEST
+from rlscope.importers.options import Option
+from rlscope.importers.session import Importer, ImportResult, Progress, Session, check_paths
 from rlscope.importers.tensorboard import TENSORBOARD
 from rlscope.importers.trl import TRL
 from rlscope.importers.verl import VERL, VERL_METRICS

@@ -11,8 +11,8 @@ from typing import Any
 
 import polars as pl
 
-from rlscope.importers._base import MAX_STEP, Session
 from rlscope.importers._jsonl import LINE
+from rlscope.importers.session import MAX_STEP, Session
 from rlscope.schema import TABLES
 
 #: Columns importers add beside the format-v1 ones.

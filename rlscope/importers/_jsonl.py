@@ -12,7 +12,7 @@ from typing import Any
 
 import polars as pl
 
-from rlscope.importers._base import LineSkips
+from rlscope.importers.session import LineSkips
 from rlscope.importers.text import is_messages, messages_expr, messages_to_text
 
 #: Non-blank lines parsed together (one Polars frame per chunk).

@@ -7,14 +7,6 @@ from pathlib import Path
 import polars as pl
 
 from rlscope.errors import RlscopeError
-from rlscope.importers._base import (
-    COMMON_OPTIONS,
-    ROLLOUT_OPTIONS,
-    SPLIT_OPTION,
-    Importer,
-    Option,
-    Session,
-)
 from rlscope.importers._common import (
     correct_from_reward,
     correct_rule,
@@ -22,6 +14,8 @@ from rlscope.importers._common import (
     rename_reserved,
 )
 from rlscope.importers._jsonl import LINE, Field, read_jsonl
+from rlscope.importers.options import COMMON_OPTIONS, ROLLOUT_OPTIONS, SPLIT_OPTION, Option
+from rlscope.importers.session import Importer, Session
 from rlscope.importers.text import ASSISTANT, WORDS_NOTE, answer_expr, prompt_ids, word_count_expr
 
 #: Format-v1 rollouts columns (and `prompt`, hashed into prompt_id) a mapping may name.

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from rlscope.errors import RlscopeError
-from rlscope.importers._base import COMMON_OPTIONS, Importer, Session
 from rlscope.importers._common import StepRows
+from rlscope.importers.options import COMMON_OPTIONS
+from rlscope.importers.session import Importer, Session
 
 #: The optional extra that brings the event-file reader.
 EXTRA = "tensorboard"

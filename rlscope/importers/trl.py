@@ -14,14 +14,6 @@ import polars as pl
 import pyarrow as pa
 
 from rlscope.errors import RlscopeError
-from rlscope.importers._base import (
-    COMMON_OPTIONS,
-    ROLLOUT_OPTIONS,
-    Importer,
-    Option,
-    Session,
-    numbered,
-)
 from rlscope.importers._common import (
     StepRows,
     accuracy_like,
@@ -32,6 +24,8 @@ from rlscope.importers._common import (
     rename_reserved,
 )
 from rlscope.importers._jsonl import LINE, normalize_extras
+from rlscope.importers.options import COMMON_OPTIONS, ROLLOUT_OPTIONS, Option
+from rlscope.importers.session import Importer, Session, numbered
 from rlscope.importers.text import (
     ASSISTANT,
     REPEAT_SEPARATOR,

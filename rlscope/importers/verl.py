@@ -12,15 +12,6 @@ from typing import Any
 import polars as pl
 
 from rlscope.errors import RlscopeError
-from rlscope.importers._base import (
-    COMMON_OPTIONS,
-    ROLLOUT_OPTIONS,
-    SPLIT_OPTION,
-    Importer,
-    Option,
-    Session,
-    numbered,
-)
 from rlscope.importers._common import (
     StepRows,
     correct_from_reward,
@@ -30,6 +21,8 @@ from rlscope.importers._common import (
     rename_reserved,
 )
 from rlscope.importers._jsonl import CHUNK_LINES, LINE, Field, chunks, read_jsonl
+from rlscope.importers.options import COMMON_OPTIONS, ROLLOUT_OPTIONS, SPLIT_OPTION, Option
+from rlscope.importers.session import Importer, Session, numbered
 from rlscope.importers.text import ASSISTANT, WORDS_NOTE, answer_expr, prompt_ids, word_count_expr
 
 TRAJECTORY_KEYS = ("traj_uid", "trajectory_id")

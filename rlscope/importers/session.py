@@ -1,8 +1,7 @@
-"""Importer machinery: options, results, the OUT/import.json manifest and buffered writing."""
+"""One import: the Importer and its result, skipped lines, and the Session that buffers writes."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -16,11 +15,18 @@ import polars as pl
 
 from rlscope.atomic import atomic_write
 from rlscope.errors import RlscopeError
+from rlscope.importers.manifest import (
+    MANIFEST,
+    MANIFEST_VERSION,
+    file_hash,
+    fingerprint,
+    parquet_files,
+    split_namespace,
+)
+from rlscope.importers.options import Option
 from rlscope.schema import RUN_JSON, TABLES
 from rlscope.writer import RunWriter
 
-MANIFEST = "import.json"
-MANIFEST_VERSION = 1
 #: rollout_id = namespace * NAMESPACE + step * STEP + index within the step.
 STEP = 1_000_000
 NAMESPACE = 10**15
@@ -32,149 +38,6 @@ FLUSH_BYTES = 256 * 2**20
 EXAMPLES = 3
 
 Progress = Callable[[int, int], None]
-
-
-# --- options ------------------------------------------------------------------------------
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError("expected an integer")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    raise ValueError("expected an integer")
-
-
-def _float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError("expected a number")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        return float(value)
-    raise ValueError("expected a number")
-
-
-def _str(value: Any) -> str:
-    if isinstance(value, str) and value:
-        return value
-    raise ValueError("expected a non-empty string")
-
-
-def _str_list(value: Any) -> list[str]:
-    if isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, list | tuple) and all(isinstance(v, str) and v for v in value):
-        return list(value)
-    raise ValueError("expected a list of names (or `a,b,c`)")
-
-
-def _pairs(value: Any) -> dict[str, str]:
-    if isinstance(value, str):
-        items = [p.split("=", 1) for p in value.split(",") if p.strip()]
-        if any(len(p) != 2 for p in items):
-            raise ValueError("expected `key=value,key=value`")
-        value = {k.strip(): v.strip() for k, v in items}
-    if isinstance(value, Mapping) and all(
-        isinstance(k, str) and isinstance(v, str) and k and v for k, v in value.items()
-    ):
-        return dict(value)
-    raise ValueError("expected a mapping of names (or `key=value,key=value`)")
-
-
-def _weights(value: Any) -> dict[str, float]:
-    pairs = _pairs(value) if isinstance(value, str) else value
-    if isinstance(pairs, Mapping):
-        try:
-            return {str(k): _float(v) for k, v in pairs.items()}
-        except ValueError:
-            pass
-    raise ValueError("expected a mapping of column name to number (or `a=1,b=0.5`)")
-
-
-KINDS: dict[str, Callable[[Any], Any]] = {
-    "bool": _bool,
-    "int": _int,
-    "float": _float,
-    "str": _str,
-    "list[str]": _str_list,
-    "dict[str,str]": _pairs,
-    "dict[str,float]": _weights,
-}
-
-
-@dataclass(frozen=True)
-class Option:
-    """One importer option: name, kind (a key of KINDS), default and what it does. Strings are
-    accepted for every kind (`true`, `3`, `a,b`, `k=v,k2=v2`) so a CLI can pass them through."""
-
-    name: str
-    kind: str
-    default: Any
-    doc: str
-    choices: Callable[[Any], str | None] | None = None  # returns an error message or None
-    compared: bool = True  # part of the manifest check (`strict` is not: same data either way)
-
-    def coerce(self, value: Any) -> Any:
-        if value is None:
-            return None
-        try:
-            out = KINDS[self.kind](value)
-        except (ValueError, TypeError) as exc:
-            raise RlscopeError(f"option `{self.name}`: {exc}, got {value!r}") from None
-        problem = self.choices(out) if self.choices else None
-        if problem:
-            raise RlscopeError(f"option `{self.name}`: {problem}, got {value!r}")
-        return out
-
-
-def _check_split(split: str) -> str | None:
-    if split == "train" or split.startswith("eval_"):
-        return None
-    return "must be `train` or start with `eval_` (eval_id, eval_ood, ...)"
-
-
-COMMON_OPTIONS: tuple[Option, ...] = (
-    Option("algorithm", "str", None, "run.json algorithm (default: the importer's)"),
-    Option("run_id", "str", None, "run.json run_id (default: the source folder's name)"),
-    Option(
-        "strict",
-        "bool",
-        False,
-        "stop at the first malformed line with an error naming file and line",
-        compared=False,
-    ),
-)
-ROLLOUT_OPTIONS: tuple[Option, ...] = (
-    Option(
-        "correct_threshold",
-        "float",
-        None,
-        "correct = reward >= this where the source has no correctness field "
-        "(default reward > 0); also written to run.json",
-    ),
-    Option("max_response_len", "int", None, "run.json max_response_len (truncation = len >= cap)"),
-)
-SPLIT_OPTION = Option(
-    "split",
-    "str",
-    "train",
-    "split of every imported rollout: `train`, or an eval split (`eval_id`, `eval_ood`, any "
-    "`eval_*`) for validation dumps",
-    choices=_check_split,
-)
 
 
 @dataclass(frozen=True)
@@ -257,9 +120,6 @@ class Importer:
         }
 
 
-# --- skipped lines ------------------------------------------------------------------------
-
-
 class LineSkips:
     """Malformed source lines: counts per reason and the first few `file:line` examples."""
 
@@ -276,55 +136,6 @@ class LineSkips:
         kept = self.examples.setdefault(reason, [])
         if len(kept) < EXAMPLES:
             kept.append(where)
-
-
-# --- files and fingerprints ---------------------------------------------------------------
-
-
-def file_hash(path: Path, limit: int | None = None) -> str:
-    """blake2b of the file's first `limit` bytes (all of it by default)."""
-    digest = hashlib.blake2b(digest_size=16)
-    remaining = limit
-    with open(path, "rb") as handle:
-        while remaining is None or remaining > 0:
-            chunk = handle.read(1 << 20 if remaining is None else min(1 << 20, remaining))
-            if not chunk:
-                break
-            digest.update(chunk)
-            if remaining is not None:
-                remaining -= len(chunk)
-    return digest.hexdigest()
-
-
-def fingerprint(path: Path) -> dict[str, Any]:
-    stat = path.stat()
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "blake2b": file_hash(path)}
-
-
-def split_namespace(split: str) -> int:
-    """rollout_id namespace of a split, so train and eval imports into one OUT never clash."""
-    fixed = {"train": 0, "eval_id": 1, "eval_ood": 2}
-    if split in fixed:
-        return fixed[split]
-    return 3 + int(hashlib.blake2b(split.encode(), digest_size=4).hexdigest(), 16) % 9000
-
-
-def _parquet_files(out: Path) -> set[str]:
-    found = set()
-    for table in TABLES:
-        folder = out / table
-        if folder.is_dir():
-            found |= {
-                p.relative_to(out).as_posix()
-                for p in folder.rglob("*.parquet")
-                if not p.name.startswith((".", "_"))
-            }
-        if (out / f"{table}.parquet").is_file():
-            found.add(f"{table}.parquet")
-    return found
-
-
-# --- one import ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -442,7 +253,7 @@ class Session:
 
     def _check_orphans(self, imports: dict[str, Any]) -> None:
         known = {f for e in imports.values() for f in e.get("outputs", ())}
-        orphans = sorted(_parquet_files(self.out) - known)
+        orphans = sorted(parquet_files(self.out) - known)
         if orphans:
             shown = ", ".join(orphans[:3]) + (" ..." if len(orphans) > 3 else "")
             raise RlscopeError(
@@ -574,7 +385,7 @@ class Session:
         size = sum(f.estimated_size() for fs in self._buffers.values() for f in fs)
         if not force and buffered < FLUSH_ROWS and size < FLUSH_BYTES:
             return
-        before = _parquet_files(self.out) if self.out.exists() else set()
+        before = parquet_files(self.out) if self.out.exists() else set()
         if buffered or self._step_rows:
             writer = self._open_writer()
             for table, frames in self._buffers.items():
@@ -593,7 +404,7 @@ class Session:
             self.entry["last_step"][table] = step if old is None else max(old, step)
         self._staged_files = {}
         self._staged_last = {}
-        new = sorted(_parquet_files(self.out) - before)
+        new = sorted(parquet_files(self.out) - before)
         self.entry["outputs"] = sorted({*self.entry.get("outputs", ()), *new})
         self._dirty = True
         self.save()
