@@ -18,7 +18,7 @@ from rlscope.report import Report, RunInfo
 from rlscope.tokenscan import Mapper
 
 if TYPE_CHECKING:
-    from rlscope.importers._base import Progress
+    from rlscope.importers.session import Progress
 
 
 def analyze(
