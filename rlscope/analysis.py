@@ -104,6 +104,7 @@ def analyze(
         warnings=run.warnings + computed.warnings,
         notes=tuple(notes),
         judged=judged,
+        config=config.summary(),
     )
 
 

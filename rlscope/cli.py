@@ -16,6 +16,7 @@ from rlscope.render.sanitize import safe_text
 
 app = typer.Typer(
     name="rlscope",
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Is this RL post-training run healthy? Layered metrics and diagnoses from Parquet "
     "logs.\n\n"
     "Examples:\n\n"
@@ -28,8 +29,32 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+def _version(value: bool) -> None:
+    if value:
+        from rlscope._version import __version__
+
+        typer.echo(f"rlscope {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Is this RL post-training run healthy? Layered metrics and diagnoses from Parquet logs."""
+
+
 FAIL_LEVELS = ("info", "warn", "critical", "never")
 # Options several commands share.
+METRICS_HELP = (
+    "Metrics to {}: comma-separated ids, layers (L3) or globs ('signal.*'); default: all."
+)
 StepsOption = Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")]
 ConfigOption = Annotated[
     Path | None,
@@ -140,9 +165,7 @@ def analyze(
     fail_on: Annotated[
         str, typer.Option(help="Exit 1 on a finding at or above: info, warn, critical, never.")
     ] = "critical",
-    metrics: Annotated[
-        str | None, typer.Option(help="Comma-separated metric ids to compute (default: all).")
-    ] = None,
+    metrics: Annotated[str | None, typer.Option(help=METRICS_HELP.format("compute"))] = None,
     config: ConfigOption = None,
     from_format: Annotated[
         str | None,
@@ -557,9 +580,7 @@ def compare(
         list[Path], typer.Argument(help="Two or more run directories; the first is the baseline.")
     ],
     format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
-    metrics: Annotated[
-        str | None, typer.Option(help="Comma-separated metric ids to compare (default: all).")
-    ] = None,
+    metrics: Annotated[str | None, typer.Option(help=METRICS_HELP.format("compare"))] = None,
     align: Annotated[
         str, typer.Option(help="Align curves by `step`, or by `progress` (fraction of training).")
     ] = "step",
@@ -717,9 +738,7 @@ def report(
     output: Annotated[
         Path, typer.Option("--output", "-o", help="The HTML file to write (not in a run dir).")
     ] = Path("report.html"),
-    metrics: Annotated[
-        str | None, typer.Option(help="Comma-separated metric ids to plot (default: all).")
-    ] = None,
+    metrics: Annotated[str | None, typer.Option(help=METRICS_HELP.format("plot"))] = None,
     align: Annotated[
         str, typer.Option(help="Align runs by `step`, or by `progress` (fraction of training).")
     ] = "step",

@@ -26,6 +26,26 @@ class Config:
     source: str | None = None
     text: TextSettings = field(default_factory=TextSettings)
 
+    def summary(self) -> dict[str, Any] | None:
+        """What an override file changed (None when no file was used): shown in every report,
+        since a file in the working directory can silence a finding."""
+        if self.source is None:
+            return None
+        overrides = [
+            f"{rule}.{key}={value}".lower() if isinstance(value, bool) else f"{rule}.{key}={value}"
+            for rule, changes in sorted(self.findings.items())
+            for key, value in sorted(changes.items())
+        ]
+        custom = [
+            name
+            for name, changed in (
+                ("tags", self.text.tags != TextSettings().tags),
+                ("probes", self.text.cue_pattern != TextSettings().cue_pattern),
+            )
+            if changed
+        ]
+        return {"source": self.source, "overrides": overrides, "text": custom}
+
 
 def load_config(path: str | Path | None = None, *, search_from: Path | None = None) -> Config:
     """Read `path`, else ./rlscope.toml, else [tool.rlscope] of ./pyproject.toml, else defaults."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from typing import Any
 
 import polars as pl
@@ -52,6 +54,32 @@ class Computed:
     # Data problems met while scanning (NaN/inf counts, tokens without a rollout).
     warnings: tuple[str, ...] = ()
     tokens: ScanStats = field(default_factory=ScanStats)  # what the token scan read
+
+
+def select_metrics(patterns: Iterable[str], catalog: dict[str, Metric]) -> list[Metric]:
+    """The metrics of the run's `catalog` that `patterns` name, in the order named: an id, a
+    layer (`L3`), or a glob (`signal.*`; a family template `signal.reward.*` is one too). A name
+    that matches nothing the catalog knows is an RlscopeError with the closest ids."""
+    chosen: dict[str, Metric] = {}
+    for pattern in patterns:
+        if re.fullmatch(r"L[1-6]", pattern):
+            hits = [m for m in catalog.values() if m.layer == pattern]
+        elif any(c in pattern for c in "*?["):
+            hits = [m for m in catalog.values() if fnmatchcase(m.id, pattern)]
+            if not hits and pattern not in METRICS:
+                raise RlscopeError(
+                    f"--metrics {pattern!r} matches no metric",
+                    hint="`rlscope metrics` lists the ids; layers are L1 … L6",
+                )
+        elif pattern in catalog:
+            hits = [catalog[pattern]]
+        elif pattern in METRICS:
+            hits = []  # known, but not computable from this run's columns: skipped with reason
+        else:
+            hint = did_you_mean(pattern, [*METRICS, *catalog], "`rlscope metrics` lists them")
+            raise RlscopeError(f"unknown metric id: {pattern}", hint=hint)
+        chosen.update((m.id, m) for m in hits)
+    return list(chosen.values())
 
 
 def choose_variant(metric: Metric, run: Run, first: int = 0) -> Variant | str:
@@ -248,24 +276,7 @@ def compute(
     those metrics; `first_variant` (id -> variant index) is how that pass is asked."""
     context = Context(run, text=text or TextSettings())
     catalog = run_metrics(run)
-    if metric_ids is None:
-        metrics = list(catalog.values())
-    else:
-        metric_ids = list(metric_ids)
-        unknown = [m for m in metric_ids if m not in catalog and m not in METRICS]
-        if unknown:
-            hint = did_you_mean(unknown[0], [*METRICS, *catalog], "`rlscope metrics` lists them")
-            raise RlscopeError(f"unknown metric id(s): {', '.join(unknown)}", hint=hint)
-        # A family template (`signal.reward.*`) selects all of this run's members.
-        metrics = [
-            m
-            for i in metric_ids
-            for m in (
-                [catalog[i]]
-                if i in catalog
-                else [c for c in catalog.values() if c.id.startswith(i[:-1])]
-            )
-        ]
+    metrics = list(catalog.values()) if metric_ids is None else select_metrics(metric_ids, catalog)
     chosen, skipped = plan(metrics, run, first_variant)
     logged = _logged_columns(chosen, run, catalog)
 

@@ -57,9 +57,19 @@ class GateResult:
     value: float | None
     baseline: float | None
     severity: str
-    passed: bool
-    breach: bool  # failed at or above fail_on
+    passed: bool  # the value is within the limit
+    breach: bool  # outside it at a severity at or above fail_on: the check fails
     message: str
+
+    @property
+    def status(self) -> str:
+        """What happened, in words: `ok`, `below min`, `above max`, `dropped too far`, `rose
+        too far` (a gate whose severity is below --fail-on is outside but does not fail)."""
+        if self.passed:
+            return "ok"
+        if self.rule in ("min", "max"):
+            return "below min" if self.rule == "min" else "above max"
+        return "dropped too far" if self.rule.startswith("max_drop") else "rose too far"
 
 
 @dataclass(frozen=True)
@@ -137,8 +147,9 @@ class CheckResult:
                         "value": g.value,
                         "baseline": g.baseline,
                         "severity": g.severity,
-                        "passed": g.passed,
-                        "breach": g.breach,
+                        "status": g.status,
+                        "within_limit": g.passed,
+                        "fails_check": g.breach,
                         "message": g.message,
                     }
                 )
@@ -150,7 +161,7 @@ class CheckResult:
                     "severity": f.severity,
                     "layer": f.layer,
                     "message": f.message,
-                    "breach": f in self.breached_findings,
+                    "fails_check": f in self.breached_findings,
                 }
                 for f in self.report.findings
             ],

@@ -130,6 +130,8 @@ class Report:
     notes: tuple[str, ...] = ()
     # Metrics a rule read and judged: only these are `ok` when no finding names them.
     judged: tuple[str, ...] = ()
+    # The override file used, if any (Config.summary): its source and what it changed.
+    config: dict[str, Any] | None = None
 
     def status(self, metric: MetricResult) -> tuple[str, str] | None:
         """What the report says of a metric, as (label, kind): the worst finding naming it
@@ -221,6 +223,7 @@ class Report:
             "skipped": [{"metric": s.metric, "reason": s.reason} for s in self.skipped],
             "warnings": list(self.warnings),
             "notes": list(self.notes),
+            "config": self.config,
         }
 
 

@@ -357,3 +357,44 @@ def test_show_and_rollouts_on_the_sample() -> None:
     assert "think" in shown.stdout and "answer" in shown.stdout
     as_json = json.loads(rlscope("show", str(SAMPLE), str(first), "--format", "json").stdout)
     assert as_json["probes"] and as_json["segments"]
+
+
+def test_version_and_short_help() -> None:
+    from rlscope import __version__
+
+    version = rlscope("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"rlscope {__version__}"
+    assert rlscope("-V").stdout == version.stdout
+    assert rlscope("-h").returncode == 0 and "Commands" in rlscope("-h").stdout
+    assert "--metrics" in rlscope("analyze", "-h").stdout
+
+
+def test_metrics_by_layer_and_glob(healthy: Path) -> None:
+    def chosen(selection: str) -> list[str]:
+        done = rlscope("analyze", str(healthy), "--metrics", selection, "-f", "json")
+        assert done.returncode == 0, done.stderr
+        return list(json.loads(done.stdout)["metrics"])
+
+    layer = chosen("L1")
+    assert layer and all(m.startswith("stability.") for m in layer)
+    assert chosen("signal.pass*") == ["signal.pass_at_1", "signal.pass_at_k", "signal.pass_gap"]
+    assert chosen("signal.pass_gap,L1")[0] == "signal.pass_gap"  # in the order named
+    bad = rlscope("analyze", str(healthy), "--metrics", "sgnal.*")
+    assert bad.returncode == 2 and "matches no metric" in bad.stderr
+    typo = rlscope("analyze", str(healthy), "--metrics", "signal.pass_at_l")
+    assert (
+        typo.returncode == 2 and "did you mean" in typo.stderr and "signal.pass_at_1" in typo.stderr
+    )
+
+
+def test_the_config_file_in_use_is_shown(tmp_path: Path, healthy: Path) -> None:
+    (tmp_path / "rlscope.toml").write_text("[findings.truncation]\nwarn_at = 0.9\n")
+    text = rlscope("analyze", str(healthy), cwd=tmp_path)
+    assert "config" in text.stdout and "truncation.warn_at=0.9" in text.stdout
+    doc = json.loads(rlscope("analyze", str(healthy), "-f", "json", cwd=tmp_path).stdout)
+    assert doc["config"]["overrides"] == ["truncation.warn_at=0.9"]
+    assert doc["config"]["source"].endswith("rlscope.toml")
+    check = rlscope("check", str(healthy), cwd=tmp_path)
+    assert "config: " in check.stdout and "truncation.warn_at=0.9" in check.stdout
+    plain = json.loads(rlscope("analyze", str(healthy), "-f", "json", cwd=healthy.parent).stdout)
+    assert plain["config"] is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -155,7 +156,7 @@ def test_severity_below_fail_on_is_reported_not_failed(tmp_path: Path, reports: 
     text = '[gates."behavior.entropy"]\nmin = 0.2\nseverity = "warn"\n'
     spec = load_gates(gates_file(tmp_path, text))
     (result,) = evaluate_gates(spec, reports[1], None, "critical")
-    assert not result.passed and not result.breach
+    assert not result.passed and not result.breach and result.status == "below min"
     (result,) = evaluate_gates(spec, reports[1], None, "warn")
     assert result.breach
     (result,) = evaluate_gates(spec, reports[1], None, "never")
@@ -272,3 +273,28 @@ def test_cli_check_reads_rlscope_toml_from_the_working_directory(tmp_path: Path)
     assert rlscope("check", str(COLLAPSE), cwd=tmp_path).returncode == 1
     done = rlscope("check", str(COLLAPSE), "--baseline", str(HEALTHY), cwd=tmp_path)
     assert done.returncode == 1 and "baseline: synth-healthy" in done.stdout
+
+
+def test_gate_status_words_say_what_happened(tmp_path: Path, reports: tuple) -> None:
+    from rlscope.gates import GateResult
+
+    def gate(rule: str, passed: bool) -> GateResult:
+        return GateResult("m", rule, 0.1, 0.1, 0.0, None, "critical", passed, not passed, "")
+
+    words = {r: gate(r, False).status for r in ("min", "max", "max_drop", "max_rise_abs")}
+    assert words == {
+        "min": "below min",
+        "max": "above max",
+        "max_drop": "dropped too far",
+        "max_rise_abs": "rose too far",
+    }
+    assert gate("min", True).status == "ok"
+    text = '[gates."behavior.entropy"]\nmin = 0.2\nseverity = "warn"\n'
+    file = gates_file(tmp_path, text)
+    done = rlscope("check", str(COLLAPSE), "--gates", str(file), "--fail-on", "never")
+    assert "below min (below --fail-on)" in done.stdout and done.returncode == 0
+    as_json = ("check", str(COLLAPSE), "--gates", str(file), "--fail-on", "never", "-f", "json")
+    document = json.loads(rlscope(*as_json).stdout)
+    (entry,) = document["gates"]
+    assert entry["status"] == "below min" and entry["within_limit"] is False
+    assert entry["fails_check"] is False and document["passed"] is True

@@ -128,7 +128,9 @@ def test_text_and_json_are_safe() -> None:
     assert_no_raw_controls(console.export_text())
     document = json.loads(render(result, "json"))
     assert document["passed"] is False and document["fail_on"] == "warn"
-    assert document["gates"][0]["rule"] == "min" and document["gates"][0]["breach"] is True
+    gate = document["gates"][0]
+    assert gate["rule"] == "min" and gate["status"] == "below min"
+    assert gate["within_limit"] is False and gate["fails_check"] is True
     assert document["run"]["run_id"] == HOSTILE  # raw in JSON, ASCII-escaped on the wire
     assert render(result, "json").isascii()
 

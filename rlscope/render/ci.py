@@ -18,7 +18,7 @@ from rich.text import Text
 
 from rlscope.gates import CheckResult, GateResult
 from rlscope.render.sanitize import safe_text
-from rlscope.render.terminal import SEVERITY_STYLE, format_value
+from rlscope.render.terminal import SEVERITY_STYLE, config_line, format_value
 from rlscope.report import Finding, severity_rank
 
 FORMATS = ("text", "json", "junit", "github", "markdown")
@@ -52,17 +52,16 @@ def render_text(result: CheckResult, console: Console) -> None:
     if result.baseline is not None:
         base = result.baseline.run
         parts.append(Text(safe_text(f"baseline: {base.run_id} ({base.path})"), style="dim"))
+    if result.report.config:
+        parts.append(Text(safe_text(f"config: {config_line(result.report.config)}"), style="dim"))
     if result.gates:
         table = Table(box=None, pad_edge=False, padding=(0, 2), title="Gates", title_justify="left")
         for column in ("", "metric", "rule", "value", "limit", "severity"):
             table.add_column(column, no_wrap=True)
         for gate in result.gates:
-            mark = (
-                Text("ok", style="green")
-                if gate.passed
-                else Text(
-                    "FAIL" if gate.breach else "over", style="red" if gate.breach else "yellow"
-                )
+            mark = Text(
+                gate.status + ("" if gate.passed or gate.breach else " (below --fail-on)"),
+                style="green" if gate.passed else "red" if gate.breach else "yellow",
             )
             table.add_row(
                 mark,

@@ -85,9 +85,16 @@ def _header(report: Report) -> Panel:
         ),
         ("tables", ", ".join(run.tables)),
         *provenance_rows(run.meta),
+        *([("config", config_line(report.config))] if report.config else []),
     ):
         grid.add_row(label, Text(safe_text(value)))
     return Panel(grid, title="rlscope analyze", title_align="left")
+
+
+def config_line(config: dict) -> str:
+    """The override file in use and what it changes (a file can silence a finding)."""
+    changes = [*config["overrides"], *(f"[{t}]" for t in config["text"])]
+    return f"{config['source']}: " + (", ".join(changes) if changes else "no overrides")
 
 
 def provenance_rows(meta: dict, width: int = 200) -> list[tuple[str, str]]:
