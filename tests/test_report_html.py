@@ -222,3 +222,19 @@ def test_cli_report(runs: tuple[Path, Path], tmp_path: Path) -> None:
     assert not inside.exists()
     done = rlscope("report", str(tmp_path / "absent"), "-o", str(tmp_path / "x.html"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def test_report_output_errors_come_before_any_analysis(
+    runs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlscope import analysis
+
+    def no_analysis(*args: object, **kwargs: object) -> None:
+        raise AssertionError("analysed before checking the output path")
+
+    monkeypatch.setattr(analysis, "analyze", no_analysis)
+    healthy, _ = runs
+    folder = rlscope("report", str(healthy), "-o", str(tmp_path))
+    assert folder.returncode == 2 and "is a directory" in folder.stderr
+    missing = rlscope("report", str(healthy), "-o", str(tmp_path / "no" / "r.html"))
+    assert missing.returncode == 2 and "no such folder" in missing.stderr

@@ -547,6 +547,13 @@ def write_report(
             raise RlscopeError(
                 f"{out}: inside the run directory {path}", hint="rlscope never writes into a run"
             )
+    # Argument errors before any work: analysing the runs can take minutes.
+    if out.is_dir():
+        raise RlscopeError(f"{out}: is a directory", hint="give a file name, e.g. -o report.html")
+    if not out.parent.is_dir():
+        raise RlscopeError(f"{out}: no such folder {out.parent}")
+    if not os.access(out.parent, os.W_OK):
+        raise RlscopeError(f"{out}: cannot write the report (folder not writable)")
     _matplotlib()
     reports = [analyze(p, steps=steps, metrics=metrics, config=config) for p in paths]
     data = [plot_data(p, steps=steps) for p in paths]
