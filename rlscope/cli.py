@@ -24,7 +24,7 @@ app = typer.Typer(
     "  rlscope analyze runs/grpo-7b --format json --fail-on warn\n\n"
     "  rlscope explain entropy-collapse",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
@@ -279,19 +279,34 @@ def validate(
 
 
 @app.command("metrics")
-def list_metrics() -> None:
+def list_metrics(
+    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+) -> None:
     """List every metric and finding id (stable ids: gate CI on them).
 
     Examples:
 
       rlscope metrics
+
+      rlscope metrics --format json | jq '.findings[].id'
     """
+    import json
+
     from rich.table import Table
 
     from rlscope.catalog import load_all
     from rlscope.registry import METRICS, RULES
 
     load_all()
+    if format not in ("text", "json"):
+        _fail(RlscopeError(f"--format {format!r}: choose text or json"))
+    if format == "json":
+        doc = {
+            "metrics": [m.to_dict() for m in METRICS.values()],
+            "findings": [r.to_dict() for r in RULES.values()],
+        }
+        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=True) + "\n")
+        return
     table = Table(title="Metrics", title_justify="left")
     for column in ("id", "layer", "what"):
         table.add_column(column)
@@ -313,6 +328,7 @@ def explain(
     id: Annotated[
         str, typer.Argument(help="A metric id (stability.kl) or finding id (kl-runaway).")
     ],
+    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
 ) -> None:
     """Print what a metric or finding measures, why it matters, its healthy range, what to try.
 
@@ -320,7 +336,7 @@ def explain(
 
       rlscope explain signal.pass_at_k
 
-      rlscope explain entropy-collapse
+      rlscope explain entropy-collapse --format json
     """
     from rlscope.catalog import lookup
     from rlscope.registry import METRICS, RULES
@@ -329,6 +345,13 @@ def explain(
     if item is None:
         hint = did_you_mean(id, [*METRICS, *RULES], "`rlscope metrics` lists ids")
         _fail(RlscopeError(f"unknown id {id!r}", hint=hint))
+    if format not in ("text", "json"):
+        _fail(RlscopeError(f"--format {format!r}: choose text or json"))
+    if format == "json":
+        import json
+
+        sys.stdout.write(json.dumps(item.to_dict(), indent=2, ensure_ascii=True) + "\n")
+        return
     _stdout().print(item.explain(), markup=False, highlight=False)
 
 

@@ -133,6 +133,32 @@ class Metric:
             lines += ["", f"Sources: {self.references}"]
         return "\n".join(lines)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The metric's documentation as JSON (`rlscope metrics|explain --format json`)."""
+        return {
+            "kind": "metric",
+            "id": self.id,
+            "layer": self.layer,
+            "title": self.title,
+            "brief": self.brief,
+            "doc": self.doc,
+            "healthy": self.healthy,
+            "band": list(self.band) if self.band is not None else None,
+            "unit": self.unit or None,
+            "better": self.better or None,
+            "computed_from": [
+                {
+                    "table": v.table,
+                    "columns": [".".join(split_column(v.table, c)) for c in v.requires],
+                    "run_json": list(v.needs_meta),
+                    "source": v.source,
+                }
+                for v in self.variants
+            ],
+            "logged_as": list(self.logged_as),
+            "references": self.references,
+        }
+
 
 @dataclass(frozen=True)
 class Param:
@@ -172,6 +198,21 @@ class Rule:
             for name, param in self.params.items():
                 lines.append(f"  {name} = {param.default:g}  — {param.doc}")
         return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The finding's documentation as JSON (`rlscope metrics|explain --format json`)."""
+        return {
+            "kind": "finding",
+            "id": self.id,
+            "layer": self.layer,
+            "severity": self.severity,
+            "title": self.title,
+            "brief": self.brief,
+            "doc": self.doc,
+            "remedy": self.remedy,
+            "reads": list(self.metrics),
+            "thresholds": {n: {"default": p.default, "doc": p.doc} for n, p in self.params.items()},
+        }
 
 
 METRICS: dict[str, Metric] = {}

@@ -367,6 +367,7 @@ def test_version_and_short_help() -> None:
     assert rlscope("-V").stdout == version.stdout
     assert rlscope("-h").returncode == 0 and "Commands" in rlscope("-h").stdout
     assert "--metrics" in rlscope("analyze", "-h").stdout
+    assert "--install-completion" in rlscope("--help").stdout  # shell completion
 
 
 def test_metrics_by_layer_and_glob(healthy: Path) -> None:
@@ -398,3 +399,20 @@ def test_the_config_file_in_use_is_shown(tmp_path: Path, healthy: Path) -> None:
     assert "config: " in check.stdout and "truncation.warn_at=0.9" in check.stdout
     plain = json.loads(rlscope("analyze", str(healthy), "-f", "json", cwd=healthy.parent).stdout)
     assert plain["config"] is None
+
+
+def test_metrics_and_explain_as_json() -> None:
+    from rlscope.catalog import METRICS, RULES
+
+    listing = rlscope("metrics", "--format", "json")
+    assert listing.returncode == 0, listing.stderr
+    doc = json.loads(listing.stdout)
+    assert [m["id"] for m in doc["metrics"]] == list(METRICS)
+    assert [f["id"] for f in doc["findings"]] == list(RULES)
+    kl = json.loads(rlscope("explain", "stability.kl", "-f", "json").stdout)
+    assert kl["kind"] == "metric" and kl["layer"] == "L1" and kl["computed_from"]
+    assert kl["brief"] and kl["doc"] == METRICS["stability.kl"].doc
+    finding = json.loads(rlscope("explain", "kl-high", "-f", "json").stdout)
+    assert finding["kind"] == "finding" and finding["thresholds"]["warn_at"]["default"] == 0.5
+    assert rlscope("explain", "kl-high", "-f", "xml").returncode == 2
+    assert rlscope("metrics", "-f", "xml").returncode == 2
