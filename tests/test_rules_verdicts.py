@@ -261,18 +261,23 @@ def test_divergence_names_the_nonfinite_steps() -> None:
     assert judge("divergence", {"stability.nonfinite": [0.0] * 4}) == []
 
 
+def two_per_step(steps: int) -> dict[str, list]:
+    """A minimal rollouts table for step-log tests: one group of two rollouts a step."""
+    n = 2 * steps
+    return {
+        "rollout_id": list(range(n)),
+        "step": [1 + i // 2 for i in range(n)],
+        "prompt_id": ["p"] * n,
+        "reward": [float(i % 2) for i in range(n)],
+        "response_len": [10] * n,
+    }
+
+
 def test_divergence_end_to_end_from_a_nan_grad_norm(write_run) -> None:
     steps = [{"step": s, "loss": 0.1, "grad_norm": 0.5} for s in range(1, 21)]
     steps[6]["grad_norm"] = float("nan")
-    rollouts = {
-        "rollout_id": list(range(40)),
-        "step": [1 + i // 2 for i in range(40)],
-        "prompt_id": ["p"] * 40,
-        "reward": [float(i % 2) for i in range(40)],
-        "response_len": [10] * 40,
-    }
     report = analyze(
-        write_run({"steps": steps, "rollouts": rollouts}),
+        write_run({"steps": steps, "rollouts": two_per_step(20)}),
         metrics=["stability.nonfinite", "stability.grad_norm"],
     )
     assert [(f.id, f.evidence["steps"]) for f in report.findings] == [("divergence", [7])]
@@ -295,14 +300,8 @@ def test_lr_zero_both_ways() -> None:
 
 def test_lr_zero_end_to_end(write_run) -> None:
     steps = [{"step": s, "loss": 0.1, "lr": 0.0 if s > 15 else 1e-6} for s in range(1, 21)]
-    rollouts = {
-        "rollout_id": list(range(40)),
-        "step": [1 + i // 2 for i in range(40)],
-        "prompt_id": ["p"] * 40,
-        "reward": [float(i % 2) for i in range(40)],
-        "response_len": [10] * 40,
-    }
-    report = analyze(write_run({"steps": steps, "rollouts": rollouts}), metrics=["stability.lr"])
+    run = write_run({"steps": steps, "rollouts": two_per_step(20)})
+    report = analyze(run, metrics=["stability.lr"])
     assert [(f.id, f.evidence["steps"]) for f in report.findings] == [("lr-zero", [16, 20])]
 
 
