@@ -56,6 +56,16 @@ METRICS_HELP = (
     "Metrics to {}: comma-separated ids, layers (L3) or globs ('signal.*'); default: all."
 )
 StepsOption = Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")]
+FromOption = Annotated[
+    str | None,
+    typer.Option(
+        "--from", help="RUN is a trainer's output in this format (verl, trl, ...): import it."
+    ),
+]
+ImportOption = Annotated[
+    list[str] | None,
+    typer.Option("--option", help="Import option KEY=VALUE (with --from); repeatable."),
+]
 ConfigOption = Annotated[
     Path | None,
     typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
@@ -117,6 +127,13 @@ def parse_ids(text: str | None) -> list[str] | None:
     return [m.strip() for m in text.split(",") if m.strip()] if text else None
 
 
+def import_options(from_format: str | None, option: list[str] | None) -> dict[str, str]:
+    """`--option KEY=VALUE` pairs, only with `--from`."""
+    if option and from_format is None:
+        raise RlscopeError("--option is for imports: use it with --from FORMAT")
+    return parse_pairs(option or [], "--option")
+
+
 def check_align(align: str) -> None:
     if align not in ("step", "progress"):
         raise RlscopeError(f"--align {align!r}: choose step or progress")
@@ -167,12 +184,7 @@ def analyze(
     ] = "critical",
     metrics: Annotated[str | None, typer.Option(help=METRICS_HELP.format("compute"))] = None,
     config: ConfigOption = None,
-    from_format: Annotated[
-        str | None,
-        typer.Option(
-            "--from", help="RUN is a trainer's output in this format (verl, trl, ...): import it."
-        ),
-    ] = None,
+    from_format: FromOption = None,
     option: Annotated[
         list[str] | None,
         typer.Option("--option", "-o", help="Import option KEY=VALUE (with --from); repeatable."),
@@ -221,9 +233,7 @@ def analyze(
         step_range = parse_steps(steps)
         metric_ids = parse_ids(metrics)
         settings = load_config(config)
-        if option and from_format is None:
-            raise RlscopeError("--option is for imports: use it with --from FORMAT")
-        options = parse_pairs(option or [], "--option")
+        options = import_options(from_format, option)
         with _progress(f"analysing {run}") as progress:
             report = run_analysis(
                 run,
@@ -609,6 +619,8 @@ def compare(
     ] = "step",
     steps: StepsOption = None,
     config: ConfigOption = None,
+    from_format: FromOption = None,
+    option: ImportOption = None,
 ) -> None:
     """Compare runs side by side: every metric per run, its delta to the first run with a
     bootstrap interval, which run is healthier, overlaid curves, and findings per run.
@@ -624,6 +636,8 @@ def compare(
 
       rlscope compare runs/a runs/b --format json > diff.json
 
+      rlscope compare trl_out/base trl_out/new --from trl
+
     Exit codes: 0 compared, 2 usage or input error.
     """
     from rlscope.comparison import compare as run_compare
@@ -635,6 +649,7 @@ def compare(
             raise RlscopeError(f"--format {format!r}: choose text or json")
         check_align(align)
         metric_ids = parse_ids(metrics)
+        options = import_options(from_format, option)
         with _progress(f"comparing {len(runs)} runs"):
             comparison = run_compare(
                 runs,
@@ -642,6 +657,8 @@ def compare(
                 align=align,
                 steps=parse_steps(steps),
                 config=load_config(config),
+                from_format=from_format,
+                import_options=options,
             )
     except RlscopeError as exc:
         _fail(exc)
@@ -688,6 +705,8 @@ def check(
             "(Ctrl-C stops)."
         ),
     ] = None,
+    from_format: FromOption = None,
+    option: ImportOption = None,
 ) -> None:
     """Gate a run in CI: evaluate metric gates and findings, exit 1 on a breach.
 
@@ -726,9 +745,18 @@ def check(
             raise RlscopeError(f"--watch {watch}: give a positive number of seconds")
         step_range = parse_steps(steps)
         spec = load_gates(gates)
+        options = import_options(from_format, option)
 
         def once() -> CheckResult:
-            return run_check(run, baseline=baseline, gates=spec, fail_on=fail_on, steps=step_range)
+            return run_check(
+                run,
+                baseline=baseline,
+                gates=spec,
+                fail_on=fail_on,
+                steps=step_range,
+                from_format=from_format,
+                import_options=options,
+            )
 
         if watch is None:
             with _progress(f"checking {run}"):
@@ -767,6 +795,8 @@ def report(
     ] = "step",
     steps: StepsOption = None,
     config: ConfigOption = None,
+    from_format: FromOption = None,
+    option: ImportOption = None,
 ) -> None:
     """Write one self-contained HTML report (inline SVG, no script, opens offline).
 
@@ -788,6 +818,7 @@ def report(
     try:
         check_align(align)
         metric_ids = parse_ids(metrics)
+        options = import_options(from_format, option)
         with _progress(f"reporting on {len(runs)} run(s)"):
             path = write_report(
                 runs,
@@ -796,6 +827,8 @@ def report(
                 align=align,
                 steps=parse_steps(steps),
                 config=load_config(config),
+                from_format=from_format,
+                import_options=options,
             )
     except RlscopeError as exc:
         _fail(exc)

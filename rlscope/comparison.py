@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,14 +158,27 @@ def compare(
     align: str = "step",
     steps: tuple[int | None, int | None] = (None, None),
     config: Config | None = None,
+    from_format: str | None = None,
+    import_options: Mapping[str, Any] | None = None,
 ) -> Comparison:
-    """Analyse each run (read-only) and compare them against the first."""
+    """Analyse each run (read-only) and compare them against the first. With `from_format`,
+    each path is a trainer's output, imported as `analyze` does."""
     from rlscope.analysis import analyze
 
     if len(paths) < 2:
         raise RlscopeError("compare needs at least two runs (the first is the baseline)")
     metric_ids = list(metrics) if metrics is not None else None
-    reports = [analyze(p, steps=steps, metrics=metric_ids, config=config) for p in paths]
+    reports = [
+        analyze(
+            p,
+            steps=steps,
+            metrics=metric_ids,
+            config=config,
+            from_format=from_format,
+            import_options=import_options,
+        )
+        for p in paths
+    ]
     return compare_reports(reports, align=align)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -325,10 +325,17 @@ def check(
     gates: GateSpec | None = None,
     fail_on: str | None = None,
     steps: tuple[int | None, int | None] = (None, None),
+    from_format: str | None = None,
+    import_options: Mapping[str, Any] | None = None,
 ) -> CheckResult:
     """Analyse `path` (and `baseline`) with the gates file's finding overrides, then evaluate
-    its gates; `fail_on` (default: the file's, else critical) applies to gates and findings."""
-    from rlscope.analysis import analyze
+    its gates; `fail_on` (default: the file's, else critical) applies to gates and findings.
+    With `from_format`, both are a trainer's output, imported as `analyze` does."""
+    from functools import partial
+
+    from rlscope.analysis import analyze as analyze_run
+
+    analyze = partial(analyze_run, from_format=from_format, import_options=import_options)
 
     spec = gates if gates is not None else load_gates()
     level = fail_on or spec.fail_on or DEFAULT_FAIL_ON

@@ -416,3 +416,28 @@ def test_metrics_and_explain_as_json() -> None:
     assert finding["kind"] == "finding" and finding["thresholds"]["warn_at"]["default"] == 0.5
     assert rlscope("explain", "kl-high", "-f", "xml").returncode == 2
     assert rlscope("metrics", "-f", "xml").returncode == 2
+
+
+TRL_REAL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "trl-real"
+
+
+def test_from_works_on_compare_check_and_report(tmp_path: Path) -> None:
+    """`--from FORMAT --option K=V` imports a trainer's output for every command that reads a
+    run, as for analyze (the real TRL fixtures, imported into the isolated cache)."""
+    healthy, sick = TRL_REAL / "healthy", TRL_REAL / "lr-too-high"
+    if not sick.is_dir():
+        pytest.skip(f"{sick} is absent (shared fixtures sit beside the checkout)")
+    source = ("--from", "trl", "--option", "correct_column=accuracy_reward")
+    compared = rlscope("compare", str(healthy), str(sick), *source, "-f", "json")
+    assert compared.returncode == 0, compared.stderr
+    assert len(json.loads(compared.stdout)["runs"]) == 2
+    checked = rlscope("check", str(sick), *source, "-f", "json", "--fail-on", "never")
+    assert checked.returncode == 0, checked.stderr
+    found = {f["id"] for f in json.loads(checked.stdout)["findings"]}
+    assert "kl-high" in found
+    out = tmp_path / "trl.html"
+    reported = rlscope("report", str(sick), "-o", str(out), *source, "--metrics", "L1")
+    assert reported.returncode == 0, reported.stderr
+    assert "kl-high" in out.read_text()
+    alone = rlscope("compare", str(healthy), str(sick), "--option", "a=b")
+    assert alone.returncode == 2 and "use it with --from" in alone.stderr

@@ -13,7 +13,7 @@ import io
 import itertools
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -533,8 +533,11 @@ def write_report(
     align: str = "step",
     steps: tuple[int | None, int | None] = (None, None),
     config: Config | None = None,
+    from_format: str | None = None,
+    import_options: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Analyse each run and write the HTML report to `output` (never inside a run directory)."""
+    """Analyse each run and write the HTML report to `output` (never inside a run directory).
+    With `from_format`, each path is a trainer's output, imported as `analyze` does."""
     from rlscope.analysis import analyze
 
     if not paths:
@@ -555,8 +558,18 @@ def write_report(
     if not os.access(out.parent, os.W_OK):
         raise RlscopeError(f"{out}: cannot write the report (folder not writable)")
     _matplotlib()
-    reports = [analyze(p, steps=steps, metrics=metrics, config=config) for p in paths]
-    data = [plot_data(p, steps=steps) for p in paths]
+    reports = [
+        analyze(
+            p,
+            steps=steps,
+            metrics=metrics,
+            config=config,
+            from_format=from_format,
+            import_options=import_options,
+        )
+        for p in paths
+    ]
+    data = [plot_data(r.run.path, steps=steps) for r in reports]  # the imported run, if any
     page = render_html(reports, data, align=align)
     try:
         out.write_text(page, encoding="utf-8")
