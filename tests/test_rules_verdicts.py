@@ -612,3 +612,23 @@ def test_reward_term_series_equal_the_columns_mean(write_run) -> None:
     )
     assert fmt.steps == (1, 2) and fmt.values == pytest.approx((0.25, 0.5))  # nulls left out
     assert length.values == pytest.approx((0.25, 0.65))
+
+
+def test_reward_concentration_survives_absurd_advantages() -> None:
+    """A fuzzed advantage of 1e308 overflowed the pooled square (OverflowError): no finding."""
+    frame = pl.DataFrame(
+        {
+            "step": [1, 2, 3],
+            "value": [0.5, 0.5, 0.5],
+            "w_sum": [1e308, 0.0, 0.0],  # finite, but its square is not
+            "w_sq": [float("inf"), 0.0, 0.0],
+            "live_prompts": [1, 1, 1],
+            "prompts": [1, 1, 1],
+        }
+    )
+    found = judge(
+        "reward-concentration",
+        {"signal.effective_prompt_frac": [0.5] * 3},
+        {"signal.effective_prompt_frac": frame},
+    )
+    assert found == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import polars as pl
@@ -124,6 +125,8 @@ def reward_concentration(ctx: RuleContext) -> Iterator[Finding]:
     )
     if not sums["w_sq"] or not sums["live_prompts"]:
         return
+    if not (math.isfinite(sums["w_sum"]) and math.isfinite(sums["w_sq"])):
+        return  # absurd advantages (|A| near 1e308 overflow the square): no share to judge
     share = sums["w_sum"] ** 2 / (sums["live_prompts"] * sums["w_sq"])
     nominal = sums["prompts"] / sums["steps"]
     effective = share * sums["live_prompts"] / sums["steps"]
