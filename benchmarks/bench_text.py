@@ -33,10 +33,8 @@ def ensure_run(responses: int) -> Path:
 
 def text_free_metrics() -> str:
     """Every metric id that reads no rollout text, actions, answers or probes."""
-    from rlscope.catalog import load_all
-    from rlscope.registry import METRICS
+    from rlscope.catalog import METRICS
 
-    load_all()
     text_levels = {("rollouts", "rollout"), ("probes", "")}
     return ",".join(
         m.id

@@ -108,6 +108,11 @@ def analyze(
     )
 
 
+def analyze_each(paths: Iterable[str | os.PathLike[str]], **options: Any) -> list[Report]:
+    """Every run analysed with the same `analyze` options (compare, check, report)."""
+    return [analyze(path, **options) for path in paths]
+
+
 def _token_rows(run: Run, computed: Computed) -> int:
     """Token rows in the step range: from the token scan when it ran (no second pass)."""
     if computed.tokens.files and ("tokens", "") in computed.aggregates:

@@ -6,7 +6,9 @@ import importlib
 
 from rlscope.registry import FAMILIES, METRICS, RULES, Metric, Rule
 
-__all__ = ["LAYER_MODULES", "METRICS", "RULES", "load_all", "lookup", "share_metrics"]
+#: Read the registries from here, not from rlscope.registry: importing this module is what
+#: registers every metric and rule.
+__all__ = ["LAYER_MODULES", "METRICS", "RULES", "lookup", "share_metrics"]
 
 #: Registry order is layer order (L1 first): metrics, then rules.
 LAYER_MODULES = ("stability", "behavior", "signal", "exploration", "generalization", "reasoning")
@@ -15,11 +17,6 @@ for _name in LAYER_MODULES:
     importlib.import_module(f"rlscope.metrics.{_name}")
 for _name in LAYER_MODULES:
     importlib.import_module(f"rlscope.rules.{_name}")
-
-
-def load_all() -> None:
-    """Importing this module registered every metric and rule; modules that read the whole
-    registry call this so the dependency is explicit (and the import is not left unused)."""
 
 
 def share_metrics() -> list[str]:

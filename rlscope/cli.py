@@ -304,10 +304,8 @@ def list_metrics(
 
     from rich.table import Table
 
-    from rlscope.catalog import load_all
-    from rlscope.registry import METRICS, RULES
+    from rlscope.catalog import METRICS, RULES
 
-    load_all()
     if format not in ("text", "json"):
         _fail(RlscopeError(f"--format {format!r}: choose text or json"))
     if format == "json":
@@ -348,8 +346,7 @@ def explain(
 
       rlscope explain entropy-collapse --format json
     """
-    from rlscope.catalog import lookup
-    from rlscope.registry import METRICS, RULES
+    from rlscope.catalog import METRICS, RULES, lookup
 
     item = lookup(id)
     if item is None:

@@ -163,33 +163,27 @@ def compare(
 ) -> Comparison:
     """Analyse each run (read-only) and compare them against the first. With `from_format`,
     each path is a trainer's output, imported as `analyze` does."""
-    from rlscope.analysis import analyze
+    from rlscope.analysis import analyze_each
 
     if len(paths) < 2:
         raise RlscopeError("compare needs at least two runs (the first is the baseline)")
-    metric_ids = list(metrics) if metrics is not None else None
-    reports = [
-        analyze(
-            p,
-            steps=steps,
-            metrics=metric_ids,
-            config=config,
-            from_format=from_format,
-            import_options=import_options,
-        )
-        for p in paths
-    ]
+    reports = analyze_each(
+        paths,
+        steps=steps,
+        metrics=list(metrics) if metrics is not None else None,
+        config=config,
+        from_format=from_format,
+        import_options=import_options,
+    )
     return compare_reports(reports, align=align)
 
 
 def compare_reports(reports: Sequence[Report], *, align: str = "step") -> Comparison:
     """Compare already computed reports (the first is the baseline)."""
-    from rlscope.catalog import load_all
-    from rlscope.registry import METRICS, RULES
+    from rlscope.catalog import METRICS, RULES
 
     if align not in ALIGNS:
         raise RlscopeError(f"align {align!r}: choose step or progress")
-    load_all()
     ids = list(dict.fromkeys(i for r in reports for i in r.metrics))
     skipped = [{s.metric: s.reason for s in r.skipped} for r in reports]
     order = {m: n for n, m in enumerate(METRICS)}

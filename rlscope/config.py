@@ -10,9 +10,8 @@ from typing import Any
 
 import polars as pl
 
-from rlscope.catalog import load_all
+from rlscope.catalog import RULES
 from rlscope.errors import RlscopeError, did_you_mean
-from rlscope.registry import RULES
 from rlscope.report import SEVERITIES
 from rlscope.text import SEGMENTS, TagSet, TextSettings
 
@@ -73,7 +72,6 @@ def _read(file: Path) -> dict[str, Any]:
 
 
 def _parse(file: Path, table: dict[str, Any]) -> Config:
-    load_all()
     findings = table.get("findings", {})
     if not isinstance(findings, dict):
         raise RlscopeError(f"{file}: [findings] must be a table")

@@ -12,11 +12,10 @@ from typing import Any
 import polars as pl
 import pyarrow as pa
 
-from rlscope.catalog import load_all
+from rlscope.catalog import METRICS
 from rlscope.errors import RlscopeError, did_you_mean
 from rlscope.reader import INVALID_PREFIX, Run, invalid_warnings, scan_error, valid_rollout
 from rlscope.registry import (
-    METRICS,
     Context,
     Metric,
     Variant,
@@ -106,7 +105,6 @@ def choose_variant(metric: Metric, run: Run, first: int = 0) -> Variant | str:
 def run_metrics(run: Run) -> dict[str, Metric]:
     """Every metric this run could have: the registered ones (family templates aside) and the
     members of each family for this run (e.g. `signal.reward.<name>` per reward function)."""
-    load_all()
     found: dict[str, Metric] = {}
     for metric in METRICS.values():  # members take their template's place in the order
         members = family_members(run, metric.id) if is_template(metric) else [metric]
@@ -181,7 +179,6 @@ def aggregate_query(
 def token_plan(run: Run, text: TextSettings | None = None) -> TokenPlan:
     """The token scan's plan for every registered metric the run can feed (what `compute`
     reads of the tokens table), e.g. to map its files on other workers."""
-    load_all()
     ctx = Context(run, text=text or TextSettings())
     chosen, _ = plan(run_metrics(run).values(), run)
     by_level: dict[str, list[Variant]] = {"": []}

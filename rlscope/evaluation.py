@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from rlscope.catalog import load_all
+from rlscope.catalog import RULES
 from rlscope.config import Config
 from rlscope.engine import Computed
 from rlscope.reader import Run
-from rlscope.registry import RULES
 from rlscope.report import Finding, Skipped, severity_rank
 from rlscope.rules.base import RuleContext
 
@@ -19,7 +18,6 @@ def evaluate(
     """Run every enabled rule; a rule whose metrics are all missing is reported as skipped.
     Also returns the metrics some rule judged (read and had the data for), in results order:
     only those may be shown as `ok`."""
-    load_all()
     findings: list[Finding] = []
     skipped: list[Skipped] = []
     judged: set[str] = set()

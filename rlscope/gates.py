@@ -101,10 +101,8 @@ class CheckResult:
 
     def finding_cases(self) -> list[tuple[str, str, Finding | None, str | None]]:
         """Per registered rule: (id, layer, its worst finding or None, why it was not run)."""
-        from rlscope.catalog import load_all
-        from rlscope.registry import RULES
+        from rlscope.catalog import RULES
 
-        load_all()
         skipped = {s.metric: s.reason for s in self.report.skipped}
         cases = []
         for rule in RULES.values():
@@ -200,10 +198,8 @@ def _number(where: str, key: str, value: Any) -> float:
 
 
 def _parse(file: Path, table: Any, config: Config) -> GateSpec:
-    from rlscope.catalog import load_all
-    from rlscope.registry import METRICS
+    from rlscope.catalog import METRICS
 
-    load_all()
     if not isinstance(table, dict):
         raise RlscopeError(f"{file}: [tool.rlscope] must be a table")
     fail_on = table.get("fail_on")
@@ -331,18 +327,20 @@ def check(
     """Analyse `path` (and `baseline`) with the gates file's finding overrides, then evaluate
     its gates; `fail_on` (default: the file's, else critical) applies to gates and findings.
     With `from_format`, both are a trainer's output, imported as `analyze` does."""
-    from functools import partial
-
-    from rlscope.analysis import analyze as analyze_run
-
-    analyze = partial(analyze_run, from_format=from_format, import_options=import_options)
+    from rlscope.analysis import analyze_each
 
     spec = gates if gates is not None else load_gates()
     level = fail_on or spec.fail_on or DEFAULT_FAIL_ON
     if level not in FAIL_LEVELS:
         raise RlscopeError(f"--fail-on {level!r}: choose one of {', '.join(FAIL_LEVELS)}")
-    report = analyze(path, steps=steps, config=spec.config)
-    base = analyze(baseline, steps=steps, config=spec.config) if baseline is not None else None
+    report, *rest = analyze_each(
+        [path, *([baseline] if baseline is not None else [])],
+        steps=steps,
+        config=spec.config,
+        from_format=from_format,
+        import_options=import_options,
+    )
+    base = rest[0] if rest else None
     results = evaluate_gates(spec, report, base, level)
     return CheckResult(report, base, results, level, spec.source, spec.config)
 

@@ -395,10 +395,8 @@ def finding_rollouts(
     fired and names some; (None, why) when it is disabled, could not be checked, did not fire or
     names no rollouts. An unknown finding id is an RlscopeError."""
     from rlscope.analysis import analyze
-    from rlscope.catalog import load_all
-    from rlscope.registry import METRICS, RULES
+    from rlscope.catalog import METRICS, RULES
 
-    load_all()
     rule = RULES.get(finding)
     if rule is None:
         what = "a metric id, not a finding id" if finding in METRICS else "unknown finding id"

@@ -374,6 +374,27 @@ def _detail(idx: int, x: int, p: _Prompt) -> str:
 _SHORT_WORDS = ("", "", "so", "ok", "hmm", "then", "wait", "first", "carry", "check", "now", "yes")
 
 
+def _tagged(
+    think: str,
+    answer: str,
+    well_formed: bool,
+    rng: np.random.Generator,
+    *,
+    after: str,
+    untagged: str,
+) -> str:
+    """The response: well formed, or one of the malformations a half-trained policy makes (an
+    unclosed think, text after the answer, or `untagged`), drawn with one rng call."""
+    if well_formed:
+        return f"<think> {think} </think> <answer> {answer} </answer>"
+    kind = rng.integers(0, 3)
+    if kind == 0:
+        return f"<think> {think} <answer> {answer} </answer>"
+    if kind == 1:
+        return f"<think> {think} </think> <answer> {answer} </answer> {after}"
+    return untagged
+
+
 def _short_text(
     p: _Prompt, correct: bool, mode: _Mode, q: float, rng: np.random.Generator, well_formed: bool
 ) -> tuple[str, str]:
@@ -395,14 +416,8 @@ def _short_text(
     words = [w[0], str(a), "plus", str(b), w[1], "is", str(ans), w[2]]
     think = " ".join(v for v in words if v)
     answer = str(ans)
-    if well_formed:
-        return f"<think> {think} </think> <answer> {answer} </answer>", answer
-    kind = rng.integers(0, 3)
-    if kind == 0:
-        return f"<think> {think} <answer> {answer} </answer>", answer
-    if kind == 1:
-        return f"<think> {think} </think> <answer> {answer} </answer> ok", answer
-    return f"{think} </think> <answer> {answer} </answer>", answer
+    untagged = f"{think} </think> <answer> {answer} </answer>"
+    return _tagged(think, answer, well_formed, rng, after="ok", untagged=untagged), answer
 
 
 def _math_text(
@@ -456,15 +471,11 @@ def _long_text(
         parts[at] = f"{filler} {parts[at][0].lower()}{parts[at][1:]}"
     think = " ".join(parts).format(**fmt)
     answer = str(ans)
-    if well_formed:
-        return f"<think> {think} </think> <answer> {answer} </answer>", answer
-    # the malformations a half-trained policy makes: unclosed think, text after the answer
-    kind = rng.integers(0, 3)
-    if kind == 0:
-        return f"<think> {think} <answer> {answer} </answer>", answer
-    if kind == 1:
-        return f"<think> {think} </think> <answer> {answer} </answer> I hope this helps.", answer
-    return f"{think} The answer is {answer}.", answer
+    untagged = f"{think} The answer is {answer}."
+    return (
+        _tagged(think, answer, well_formed, rng, after="I hope this helps.", untagged=untagged),
+        answer,
+    )
 
 
 def _agent_text(

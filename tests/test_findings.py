@@ -7,13 +7,10 @@ from pathlib import Path
 import pytest
 
 from rlscope.analysis import analyze
-from rlscope.catalog import load_all
+from rlscope.catalog import METRICS, RULES
 from rlscope.config import Config
-from rlscope.registry import METRICS, RULES
 from rlscope.report import Report
 from rlscope.synth import SCENARIOS, generate
-
-load_all()
 
 # Scenario -> the finding it is built to show (scenarios are named after their finding).
 EXPECTED = {name: name.removesuffix("-hard") for name in SCENARIOS if name != "healthy"}

@@ -25,6 +25,12 @@ def needs_fixture() -> None:
         pytest.skip(f"{FIXTURE} is absent (shared fixtures sit beside the checkout)")
 
 
+def metrics_log(path: Path, data: dict[str, float], steps: int = 3) -> Path:
+    """A verl file-logger log: one `{"step", "data"}` line per step 1..steps, the same data."""
+    path.write_text("\n".join(json.dumps({"step": s, "data": data}) for s in range(1, steps + 1)))
+    return path
+
+
 def table(run: Path, name: str) -> pl.DataFrame:
     return pl.read_parquet(sorted((run / name).glob("*.parquet")))
 
@@ -132,12 +138,8 @@ def test_kl_loss_scale_and_version_semantics(tmp_path: Path) -> None:
 
 
 def test_entropy_unit_follows_loss_agg_mode(tmp_path: Path) -> None:
-    source = tmp_path / "metrics.jsonl"
-    source.write_text(
-        "\n".join(
-            json.dumps({"step": s, "data": {"actor/entropy": 70.0, "actor/grad_norm": 1.0}})
-            for s in range(1, 4)
-        )
+    source = metrics_log(
+        tmp_path / "metrics.jsonl", {"actor/entropy": 70.0, "actor/grad_norm": 1.0}
     )
     out = tmp_path / "out"
     import_run("verl-metrics", source, out, loss_agg_mode="seq-mean-token-sum")
@@ -274,12 +276,8 @@ def test_no_answer_skips_the_vote_metrics(tmp_path: Path) -> None:
 
 
 def test_group_filtering_is_said(tmp_path: Path) -> None:
-    source = tmp_path / "metrics.jsonl"
-    source.write_text(
-        "\n".join(
-            json.dumps({"step": s, "data": {"actor/grad_norm": 1.0, "train/num_gen_batches": 2}})
-            for s in range(1, 4)
-        )
+    source = metrics_log(
+        tmp_path / "metrics.jsonl", {"actor/grad_norm": 1.0, "train/num_gen_batches": 2}
     )
     import_run("verl-metrics", source, tmp_path / "out")
     provenance = json.loads((tmp_path / "out" / "run.json").read_text())["provenance"]
@@ -294,13 +292,7 @@ def test_hydra_config_says_what_the_importer_needs(tmp_path: Path) -> None:
         "actor_rollout_ref:\n  actor:\n    use_kl_loss: false\n"
         "    loss_agg_mode: seq-mean-token-sum\n  rollout:\n    n: 4\n"
     )
-    source = run / "metrics.jsonl"
-    source.write_text(
-        "\n".join(
-            json.dumps({"step": s, "data": {"actor/entropy": 70.0, "actor/kl_loss": 0.01}})
-            for s in range(1, 4)
-        )
-    )
+    source = metrics_log(run / "metrics.jsonl", {"actor/entropy": 70.0, "actor/kl_loss": 0.01})
     result = import_run("verl-metrics", source, tmp_path / "out")
     steps = table(tmp_path / "out", "steps")
     assert "entropy" not in steps.columns and "kl" not in steps.columns

@@ -144,3 +144,21 @@ def test_one_did_you_mean() -> None:
     # Every "did you mean" in the package comes from that one function.
     sources = "".join(p.read_text() for p in PACKAGE.rglob("*.py") if p.name != "errors.py")
     assert "did you mean" not in sources and "get_close_matches" not in sources
+
+
+def test_the_registries_are_read_through_the_catalog() -> None:
+    """`rlscope.registry`'s METRICS and RULES are empty until the catalog imports the layer
+    modules: everything outside the layers reads them from `rlscope.catalog`."""
+    readers = []
+    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.parent.joinpath("tests").glob("*.py")]:
+        if path.parent.name in ("metrics", "rules") or path.name in ("registry.py", "catalog.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            registries = {"METRICS", "RULES", "FAMILIES"}
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "rlscope.registry"
+                and {a.name for a in node.names} & registries
+            ):
+                readers.append(path.name)
+    assert readers == []

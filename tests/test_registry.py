@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from rlscope.catalog import load_all
-from rlscope.registry import METRICS, RULES, is_template
+from rlscope.catalog import METRICS, RULES
+from rlscope.registry import is_template
 from rlscope.report import LAYERS, SEVERITIES
 
-load_all()
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 ID_PATTERN = re.compile(r"^[a-z]+\.[a-z0-9_]+(\.[a-z0-9_]+|\.\*)?$")
 NAMESPACES = {

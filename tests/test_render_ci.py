@@ -11,10 +11,9 @@ import pytest
 from conftest import run_cli as rlscope
 from rich.console import Console
 
-from rlscope.catalog import load_all
+from rlscope.catalog import RULES
 from rlscope.config import Config
 from rlscope.gates import CheckResult, GateSpec, check, evaluate_gates, load_gates
-from rlscope.registry import RULES
 from rlscope.render.ci import FORMATS, github_property, markdown_text, render, render_text
 from rlscope.report import Finding, MetricResult, Report, RunInfo, Skipped
 
@@ -29,7 +28,6 @@ GITHUB_LINE = re.compile(r"^::(error|warning|notice)( [a-z]+=[^:]*)?::")
 
 
 def hostile_result(fail_on: str = "warn") -> CheckResult:
-    load_all()
     metric = MetricResult(
         "signal.reward", "L3", "Mean reward", 0.2, (0, 1, 2), (0.1, 0.2, 0.3), source="x"
     )

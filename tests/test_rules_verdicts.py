@@ -10,14 +10,12 @@ import polars as pl
 import pytest
 
 from rlscope.analysis import analyze
-from rlscope.catalog import load_all
+from rlscope.catalog import RULES
 from rlscope.errors import RlscopeError
 from rlscope.reader import open_run
-from rlscope.registry import RULES
 from rlscope.report import Finding, MetricResult, Report, RunInfo
 from rlscope.rules.base import RuleContext
 
-load_all()
 RNG = np.random.default_rng(0)
 
 
@@ -331,7 +329,7 @@ def test_status_ok_only_where_judged_and_band_outside() -> None:
 
 
 def test_band_metrics_have_no_better_direction() -> None:
-    from rlscope.registry import METRICS
+    from rlscope.catalog import METRICS
 
     banded = [m for m in METRICS.values() if m.band is not None]
     assert banded and all(m.better == "" for m in banded)

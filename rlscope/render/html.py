@@ -538,7 +538,7 @@ def write_report(
 ) -> Path:
     """Analyse each run and write the HTML report to `output` (never inside a run directory).
     With `from_format`, each path is a trainer's output, imported as `analyze` does."""
-    from rlscope.analysis import analyze
+    from rlscope.analysis import analyze_each
 
     if not paths:
         raise RlscopeError("report needs at least one run")
@@ -558,17 +558,14 @@ def write_report(
     if not os.access(out.parent, os.W_OK):
         raise RlscopeError(f"{out}: cannot write the report (folder not writable)")
     _matplotlib()
-    reports = [
-        analyze(
-            p,
-            steps=steps,
-            metrics=metrics,
-            config=config,
-            from_format=from_format,
-            import_options=import_options,
-        )
-        for p in paths
-    ]
+    reports = analyze_each(
+        paths,
+        steps=steps,
+        metrics=metrics,
+        config=config,
+        from_format=from_format,
+        import_options=import_options,
+    )
     data = [plot_data(r.run.path, steps=steps) for r in reports]  # the imported run, if any
     page = render_html(reports, data, align=align)
     try:
