@@ -33,7 +33,9 @@ def ensure_run(responses: int) -> Path:
 
 def text_free_metrics() -> str:
     """Every metric id that reads no rollout text, actions, answers or probes."""
-    from rlscope.catalog import METRICS
+    from rlscope.catalog import default_catalog
+
+    METRICS = default_catalog().metrics
 
     text_levels = {("rollouts", "rollout"), ("probes", "")}
     return ",".join(

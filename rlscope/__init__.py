@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from rlscope._version import __version__
 from rlscope.errors import RlscopeError
-from rlscope.report import Finding, MetricResult, Report, RunInfo, Skipped
+from rlscope.report import MetricResult, Report, RunInfo, Skipped
+from rlscope.spec import Finding
 
 if TYPE_CHECKING:
     from rlscope.comparison import Comparison

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import polars as pl
 
 from rlscope.cache import PartialCache, import_cache_dir
+from rlscope.catalog import Catalog
 from rlscope.config import Config, load_config
 from rlscope.engine import Computed, compute
 from rlscope.errors import RlscopeError
@@ -33,6 +34,7 @@ def analyze(
     progress: Progress | None = None,
     use_cache: bool = True,
     mapper: Mapper | None = None,
+    catalog: Catalog | None = None,
 ) -> Report:
     """Analyse the run directory at `path` (read-only) and return its Report.
 
@@ -40,7 +42,8 @@ def analyze(
     (incrementally) into the user cache dir, never next to the source, and that run analysed.
     Token files' partial aggregates are cached there too (`use_cache=False`: neither read nor
     written), so re-analysing a growing run reads only its new token files. `mapper` runs the
-    per-file token reduction on another engine (README "Scaling out").
+    per-file token reduction on another engine (README "Scaling out"); `catalog` the metrics and
+    rules to use (rlscope's own by default).
     """
     import_notes: list[str] = []
     if from_format is not None:
@@ -56,10 +59,16 @@ def analyze(
     config = config if config is not None else load_config()
     cache = PartialCache(cache_dir) if use_cache else None
     computed = compute(
-        run, metrics, text=config.text, cache=cache, progress=progress, mapper=mapper
+        run,
+        metrics,
+        text=config.text,
+        cache=cache,
+        progress=progress,
+        mapper=mapper,
+        catalog=catalog,
     )
     try:
-        findings, rule_skips, judged = evaluate(computed, run, config)
+        findings, rule_skips, judged = evaluate(computed, run, config, catalog)
     except (pl.exceptions.PolarsError, OSError) as exc:  # a rule's own scan
         raise scan_error(run, run.tables, "running the rules", exc) from None
     run.check_unchanged()  # rules may scan again: still the snapshot taken at open

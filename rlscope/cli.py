@@ -11,7 +11,7 @@ from typing import Annotated, NoReturn
 import typer
 from rich.console import Console
 
-from rlscope.errors import RlscopeError, did_you_mean
+from rlscope.errors import RlscopeError
 from rlscope.render.sanitize import safe_text
 
 app = typer.Typer(
@@ -304,26 +304,27 @@ def list_metrics(
 
     from rich.table import Table
 
-    from rlscope.catalog import METRICS, RULES
+    from rlscope.catalog import default_catalog
 
     if format not in ("text", "json"):
         _fail(RlscopeError(f"--format {format!r}: choose text or json"))
+    catalog = default_catalog()
     if format == "json":
         doc = {
-            "metrics": [m.to_dict() for m in METRICS.values()],
-            "findings": [r.to_dict() for r in RULES.values()],
+            "metrics": [m.to_dict() for m in catalog.metrics.values()],
+            "findings": [r.to_dict() for r in catalog.rules.values()],
         }
         sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=True) + "\n")
         return
     table = Table(title="Metrics", title_justify="left")
     for column in ("id", "layer", "what"):
         table.add_column(column)
-    for metric in METRICS.values():
+    for metric in catalog.metrics.values():
         table.add_row(metric.id, metric.layer, metric.title)
     findings = Table(title="Findings", title_justify="left")
     for column in ("id", "layer", "severity", "what"):
         findings.add_column(column)
-    for rule in RULES.values():
+    for rule in catalog.rules.values():
         findings.add_row(rule.id, rule.layer, rule.severity, rule.title)
     out = _stdout()
     out.print(table)
@@ -346,12 +347,12 @@ def explain(
 
       rlscope explain entropy-collapse --format json
     """
-    from rlscope.catalog import METRICS, RULES, lookup
+    from rlscope.catalog import default_catalog
 
-    item = lookup(id)
+    catalog = default_catalog()
+    item = catalog.lookup(id)
     if item is None:
-        hint = did_you_mean(id, [*METRICS, *RULES], "`rlscope metrics` lists ids")
-        _fail(RlscopeError(f"unknown id {id!r}", hint=hint))
+        _fail(RlscopeError(f"unknown id {id!r}", hint=catalog.hint(id)))
     if format not in ("text", "json"):
         _fail(RlscopeError(f"--format {format!r}: choose text or json"))
     if format == "json":

@@ -12,9 +12,11 @@ import numpy as np
 
 from rlscope import windows
 from rlscope._version import __version__
+from rlscope.catalog import Catalog, default_catalog
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
-from rlscope.report import Report, json_safe, severity_rank
+from rlscope.report import Report, json_safe
+from rlscope.spec import severity_rank
 from rlscope.windows import FINAL_FRACTION, MIN_STEPS
 
 ALIGNS = ("step", "progress")
@@ -160,6 +162,7 @@ def compare(
     config: Config | None = None,
     from_format: str | None = None,
     import_options: Mapping[str, Any] | None = None,
+    catalog: Catalog | None = None,
 ) -> Comparison:
     """Analyse each run (read-only) and compare them against the first. With `from_format`,
     each path is a trainer's output, imported as `analyze` does."""
@@ -174,26 +177,28 @@ def compare(
         config=config,
         from_format=from_format,
         import_options=import_options,
+        catalog=catalog,
     )
-    return compare_reports(reports, align=align)
+    return compare_reports(reports, align=align, catalog=catalog)
 
 
-def compare_reports(reports: Sequence[Report], *, align: str = "step") -> Comparison:
-    """Compare already computed reports (the first is the baseline)."""
-    from rlscope.catalog import METRICS, RULES
-
+def compare_reports(
+    reports: Sequence[Report], *, align: str = "step", catalog: Catalog | None = None
+) -> Comparison:
+    """Compare already computed reports (the first is the baseline), metrics in the catalog's
+    order (rlscope's own by default)."""
+    catalog = catalog or default_catalog()
     if align not in ALIGNS:
         raise RlscopeError(f"align {align!r}: choose step or progress")
     ids = list(dict.fromkeys(i for r in reports for i in r.metrics))
     skipped = [{s.metric: s.reason for s in r.skipped} for r in reports]
-    order = {m: n for n, m in enumerate(METRICS)}
+    order = {m: n for n, m in enumerate(catalog.metrics)}
     ids.sort(key=lambda i: order.get(i, len(order)))
     compared: dict[str, MetricComparison] = {}
     for metric_id in ids:
-        declared = METRICS.get(metric_id)
         present = [r.metrics.get(metric_id) for r in reports]
         first = next(m for m in present if m is not None)
-        better = declared.better if declared is not None else ""
+        better = first.better
         base = present[0]
         runs: list[RunMetric | None] = []
         for index, result in enumerate(present):
@@ -219,7 +224,8 @@ def compare_reports(reports: Sequence[Report], *, align: str = "step") -> Compar
     for finding_id in finding_ids:
         severities: list[str | None] = []
         messages: list[str | None] = []
-        layer = RULES[finding_id].layer if finding_id in RULES else ""
+        rule = catalog.rules.get(finding_id)
+        layer = rule.layer if rule is not None else ""
         for report in reports:
             hits = [f for f in report.findings if f.id == finding_id]
             worst = max(hits, key=lambda f: severity_rank(f.severity)) if hits else None

@@ -10,9 +10,9 @@ from typing import Any
 
 import polars as pl
 
-from rlscope.catalog import RULES
-from rlscope.errors import RlscopeError, did_you_mean
-from rlscope.report import SEVERITIES
+from rlscope.catalog import Catalog, default_catalog
+from rlscope.errors import RlscopeError
+from rlscope.spec import SEVERITIES
 from rlscope.text import SEGMENTS, TagSet, TextSettings
 
 
@@ -46,21 +46,28 @@ class Config:
         return {"source": self.source, "overrides": overrides, "text": custom}
 
 
-def load_config(path: str | Path | None = None, *, search_from: Path | None = None) -> Config:
-    """Read `path`, else ./rlscope.toml, else [tool.rlscope] of ./pyproject.toml, else defaults."""
+def load_config(
+    path: str | Path | None = None,
+    *,
+    search_from: Path | None = None,
+    catalog: Catalog | None = None,
+) -> Config:
+    """Read `path`, else ./rlscope.toml, else [tool.rlscope] of ./pyproject.toml, else defaults;
+    finding ids and thresholds are checked against `catalog` (rlscope's own by default)."""
+    catalog = catalog or default_catalog()
     if path is not None:
         file = Path(path)
         if not file.is_file():
             raise RlscopeError(f"{file}: config file not found")
-        return _parse(file, _read(file).get("tool", {}).get("rlscope", _read(file)))
+        return _parse(file, _read(file).get("tool", {}).get("rlscope", _read(file)), catalog)
     here = search_from or Path.cwd()
     if (here / "rlscope.toml").is_file():
-        return _parse(here / "rlscope.toml", _read(here / "rlscope.toml"))
+        return _parse(here / "rlscope.toml", _read(here / "rlscope.toml"), catalog)
     pyproject = here / "pyproject.toml"
     if pyproject.is_file():
         table = _read(pyproject).get("tool", {}).get("rlscope")
         if table is not None:
-            return _parse(pyproject, table)
+            return _parse(pyproject, table, catalog)
     return Config()
 
 
@@ -71,15 +78,15 @@ def _read(file: Path) -> dict[str, Any]:
         raise RlscopeError(f"{file}: not valid TOML ({exc})") from None
 
 
-def _parse(file: Path, table: dict[str, Any]) -> Config:
+def _parse(file: Path, table: dict[str, Any], catalog: Catalog) -> Config:
     findings = table.get("findings", {})
     if not isinstance(findings, dict):
         raise RlscopeError(f"{file}: [findings] must be a table")
     for rule_id, override in findings.items():
-        rule = RULES.get(rule_id)
+        rule = catalog.rules.get(rule_id)
         where = f"{file}: [findings.{rule_id}]"
         if rule is None:
-            hint = did_you_mean(rule_id, RULES, "`rlscope metrics` lists them")
+            hint = catalog.hint(rule_id, metrics=False)
             raise RlscopeError(f"{where}: unknown finding id", hint=hint)
         if not isinstance(override, dict):
             raise RlscopeError(f"{where} must be a table")

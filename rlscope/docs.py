@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlscope.catalog import METRICS, RULES
+from rlscope.catalog import default_catalog
 
 #: (marker name, table function): the README holds each table between its two markers.
 BEGIN = "<!-- {} table: generated from the catalog by `make docs`; edit the source -->"
@@ -23,7 +23,7 @@ def metric_table() -> str:
     """One row per metric in catalog order (layer order); consecutive metrics with the same brief
     (a segment's length for each segment, ...) share one row."""
     rows: list[tuple[str, list[str], str]] = []
-    for metric in METRICS.values():
+    for metric in default_catalog().metrics.values():
         if rows and rows[-1][2] == metric.brief and rows[-1][0] == metric.layer:
             rows[-1][1].append(metric.id)
         else:
@@ -36,7 +36,8 @@ def metric_table() -> str:
 def finding_table() -> str:
     """One row per finding in catalog order."""
     lines = ["| id | layer | fires when |", "|---|---|---|"]
-    lines += [f"| `{r.id}` | {r.layer} | {_cell(r.brief)} |" for r in RULES.values()]
+    rules = default_catalog().rules.values()
+    lines += [f"| `{r.id}` | {r.layer} | {_cell(r.brief)} |" for r in rules]
     return "\n".join(lines)
 
 

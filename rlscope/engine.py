@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from fnmatch import fnmatchcase
 from typing import Any
 
 import polars as pl
 import pyarrow as pa
 
-from rlscope.catalog import METRICS
-from rlscope.errors import RlscopeError, did_you_mean
+from rlscope.catalog import Catalog, default_catalog
+from rlscope.context import MetricContext
+from rlscope.errors import RlscopeError
 from rlscope.reader import INVALID_PREFIX, Run, invalid_warnings, scan_error, valid_rollout
-from rlscope.registry import (
-    Context,
-    Metric,
-    Variant,
-    family_members,
-    is_template,
-    split_column,
-)
 from rlscope.report import Logged, MetricResult, Skipped
+from rlscope.spec import Metric, Variant, split_column
 from rlscope.text import TextSettings
 from rlscope.tokenscan import ROWS, Mapper, PartialStore, ScanStats, TokenPlan, scan_tokens
 from rlscope.trajectory import decline_shape
@@ -49,36 +41,10 @@ class Computed:
     frames: dict[str, pl.DataFrame]
     skipped: tuple[Skipped, ...]
     aggregates: dict[tuple[str, str], pl.DataFrame]  # (table, level) -> partial aggregates
-    context: Context
+    context: MetricContext
     # Data problems met while scanning (NaN/inf counts, tokens without a rollout).
     warnings: tuple[str, ...] = ()
     tokens: ScanStats = field(default_factory=ScanStats)  # what the token scan read
-
-
-def select_metrics(patterns: Iterable[str], catalog: dict[str, Metric]) -> list[Metric]:
-    """The metrics of the run's `catalog` that `patterns` name, in the order named: an id, a
-    layer (`L3`), or a glob (`signal.*`; a family template `signal.reward.*` is one too). A name
-    that matches nothing the catalog knows is an RlscopeError with the closest ids."""
-    chosen: dict[str, Metric] = {}
-    for pattern in patterns:
-        if re.fullmatch(r"L[1-6]", pattern):
-            hits = [m for m in catalog.values() if m.layer == pattern]
-        elif any(c in pattern for c in "*?["):
-            hits = [m for m in catalog.values() if fnmatchcase(m.id, pattern)]
-            if not hits and pattern not in METRICS:
-                raise RlscopeError(
-                    f"--metrics {pattern!r} matches no metric",
-                    hint="`rlscope metrics` lists the ids; layers are L1 … L6",
-                )
-        elif pattern in catalog:
-            hits = [catalog[pattern]]
-        elif pattern in METRICS:
-            hits = []  # known, but not computable from this run's columns: skipped with reason
-        else:
-            hint = did_you_mean(pattern, [*METRICS, *catalog], "`rlscope metrics` lists them")
-            raise RlscopeError(f"unknown metric id: {pattern}", hint=hint)
-        chosen.update((m.id, m) for m in hits)
-    return list(chosen.values())
 
 
 def choose_variant(metric: Metric, run: Run, first: int = 0) -> Variant | str:
@@ -102,16 +68,6 @@ def choose_variant(metric: Metric, run: Run, first: int = 0) -> Variant | str:
     return "; or ".join(dict.fromkeys(reasons))
 
 
-def run_metrics(run: Run) -> dict[str, Metric]:
-    """Every metric this run could have: the registered ones (family templates aside) and the
-    members of each family for this run (e.g. `signal.reward.<name>` per reward function)."""
-    found: dict[str, Metric] = {}
-    for metric in METRICS.values():  # members take their template's place in the order
-        members = family_members(run, metric.id) if is_template(metric) else [metric]
-        found.update((m.id, m) for m in members)
-    return found
-
-
 def plan(
     metrics: Iterable[Metric], run: Run, first: Mapping[str, int] | None = None
 ) -> tuple[dict[str, Variant], list[Skipped]]:
@@ -121,14 +77,14 @@ def plan(
     for metric in metrics:
         variant = choose_variant(metric, run, (first or {}).get(metric.id, 0))
         if isinstance(variant, str):
-            skipped.append(Skipped(metric.id, variant))
+            skipped.append(Skipped(metric.id, variant, metric.layer))
         else:
             chosen[metric.id] = variant
     return chosen, skipped
 
 
 def _merged_partials(
-    variants: Iterable[Variant], ctx: Context, *, prelude: bool = False
+    variants: Iterable[Variant], ctx: MetricContext, *, prelude: bool = False
 ) -> dict[str, pl.Expr]:
     """Every variant's partials (or preludes) by name; one name means one expression."""
     merged: dict[str, pl.Expr] = {}
@@ -176,11 +132,13 @@ def aggregate_query(
     return lf.group_by("step").agg(exprs)
 
 
-def token_plan(run: Run, text: TextSettings | None = None) -> TokenPlan:
-    """The token scan's plan for every registered metric the run can feed (what `compute`
+def token_plan(
+    run: Run, text: TextSettings | None = None, catalog: Catalog | None = None
+) -> TokenPlan:
+    """The token scan's plan for every metric of the catalog the run can feed (what `compute`
     reads of the tokens table), e.g. to map its files on other workers."""
-    ctx = Context(run, text=text or TextSettings())
-    chosen, _ = plan(run_metrics(run).values(), run)
+    ctx = MetricContext(run, text=text or TextSettings())
+    chosen, _ = plan((catalog or default_catalog()).for_run(run).values(), run)
     by_level: dict[str, list[Variant]] = {"": []}
     for variant in chosen.values():
         if variant.table == "tokens":
@@ -188,7 +146,7 @@ def token_plan(run: Run, text: TextSettings | None = None) -> TokenPlan:
     return _token_plan(run, by_level, ctx)
 
 
-def _token_plan(run: Run, by_level: dict[str, list[Variant]], ctx: Context) -> TokenPlan:
+def _token_plan(run: Run, by_level: dict[str, list[Variant]], ctx: MetricContext) -> TokenPlan:
     """The token scan's plan: every level's partials, the step level's prelude, the float
     columns whose NaN/inf values are counted, and the rollout ids when there are rollouts."""
     partials = {level: _merged_partials(variants, ctx) for level, variants in by_level.items()}
@@ -261,8 +219,10 @@ def compute(
     progress: Callable[[int, int], None] | None = None,
     mapper: Mapper | None = None,
     first_variant: Mapping[str, int] | None = None,
+    catalog: Catalog | None = None,
 ) -> Computed:
-    """Compute the requested metrics (all registered ones by default) over a run. With `cache`,
+    """Compute the requested metrics (all of the catalog's, rlscope's own by default, that the
+    run can feed) over a run. With `cache`,
     token files' partial aggregates are reused where the file is unchanged (and stored);
     `progress` gets (token files done, token files) as the token scan goes; `mapper` maps the
     per-file token reduction over the files to read (see `tokenscan.Mapper`).
@@ -271,11 +231,14 @@ def compute(
     can feed (e.g. tool-response length from the text tags when the tokens table has no
     tool_response tokens because they are loss-masked), computed in one more pass over only
     those metrics; `first_variant` (id -> variant index) is how that pass is asked."""
-    context = Context(run, text=text or TextSettings())
-    catalog = run_metrics(run)
-    metrics = list(catalog.values()) if metric_ids is None else select_metrics(metric_ids, catalog)
+    context = MetricContext(run, text=text or TextSettings())
+    catalog = catalog or default_catalog()
+    available = catalog.for_run(run)
+    metrics = (
+        list(available.values()) if metric_ids is None else catalog.select(metric_ids, available)
+    )
     chosen, skipped = plan(metrics, run, first_variant)
-    logged = _logged_columns(chosen, run, catalog)
+    logged = _logged_columns(chosen, run, available)
 
     by_level: dict[tuple[str, str], list[Variant]] = {}
     for variant in chosen.values():
@@ -364,7 +327,7 @@ def compute(
     results: dict[str, MetricResult] = {}
     fallback: dict[str, int] = {}
     for metric_id in ids:
-        metric, variant = catalog[metric_id], chosen[metric_id]
+        metric, variant = available[metric_id], chosen[metric_id]
         frame = frames[metric_id].sort("step")
         frames[metric_id] = frame
         values = _floats(frame["value"])
@@ -376,10 +339,10 @@ def compute(
             nxt = choose_variant(metric, run, after)
             found = None if isinstance(nxt, str) else _from_aggregates(nxt, aggregates, context)
             if isinstance(nxt, str):
-                skipped.append(Skipped(metric_id, reason))
+                skipped.append(Skipped(metric_id, reason, metric.layer))
                 continue
             if found is None:  # its partials were not computed in this pass: one more pass
-                skipped.append(Skipped(metric_id, reason))
+                skipped.append(Skipped(metric_id, reason, metric.layer))
                 fallback[metric_id] = metric.variants.index(nxt)
                 continue
             variant, frame = nxt, found
@@ -387,7 +350,8 @@ def compute(
             values = _floats(frame["value"])
             steps = [int(s) for s in frame["step"].to_list()]
             if not any(v is not None for v in values):
-                skipped.append(Skipped(metric_id, _empty_reason(frame, variant, source)))
+                reason = _empty_reason(frame, variant, source)
+                skipped.append(Skipped(metric_id, reason, metric.layer))
                 continue
         notes = tuple(
             note
@@ -412,13 +376,15 @@ def compute(
         results, frames, tuple(skipped), aggregates, context, tuple(warnings), scan_stats
     )
     if fallback:
-        again = compute(run, list(fallback), text=text, cache=cache, first_variant=fallback)
-        computed = _merged(computed, again, list(catalog))
+        again = compute(
+            run, list(fallback), text=text, cache=cache, first_variant=fallback, catalog=catalog
+        )
+        computed = _merged(computed, again, list(available))
     return computed
 
 
 def _from_aggregates(
-    variant: Variant, aggregates: dict[tuple[str, str], pl.DataFrame], ctx: Context
+    variant: Variant, aggregates: dict[tuple[str, str], pl.DataFrame], ctx: MetricContext
 ) -> pl.DataFrame | None:
     """A fallback variant's per-step frame from the partials this pass already computed (the
     text features are all computed together, so a text fallback usually costs no scan), or
@@ -473,7 +439,7 @@ def _floats(series: pl.Series) -> list[float | None]:
 
 
 def _logged_columns(
-    chosen: dict[str, Variant], run: Run, catalog: dict[str, Metric]
+    chosen: dict[str, Variant], run: Run, available: Mapping[str, Metric]
 ) -> dict[str, str]:
     """Metric id -> the steps-table column holding the trainer's own value of a metric that
     rlscope recomputes from rollouts or tokens."""
@@ -486,13 +452,13 @@ def _logged_columns(
             continue
         if run.lengths_in_words and "response_len" in variant.requires:
             continue  # word counts are not compared with a trainer's token-based lengths
-        found = next((c for c in catalog[metric_id].logged_as if c in columns), None)
+        found = next((c for c in available[metric_id].logged_as if c in columns), None)
         if found is not None:
             logged[metric_id] = found
     return logged
 
 
-def _no_series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _no_series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     raise AssertionError("a partials-only variant has no series")
 
 
@@ -509,7 +475,7 @@ def _logged_result(column: str | None, steps: pl.DataFrame | None) -> Logged | N
     )
 
 
-def _extra(metric: Metric, frame: pl.DataFrame, context: Context) -> dict[str, Any]:
+def _extra(metric: Metric, frame: pl.DataFrame, context: MetricContext) -> dict[str, Any]:
     """Metric-specific JSON: columns prefixed `extra_` carry their final-window summaries; a
     metric's `summary` adds its own fields; `trajectory` metrics say how they declined."""
     extra: dict[str, Any] = {}

@@ -4,29 +4,31 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from rlscope.catalog import RULES
+from rlscope.catalog import Catalog, default_catalog
 from rlscope.config import Config
 from rlscope.engine import Computed
 from rlscope.reader import Run
-from rlscope.report import Finding, Skipped, severity_rank
+from rlscope.report import Skipped
 from rlscope.rules.base import RuleContext
+from rlscope.spec import Finding, severity_rank
 
 
 def evaluate(
-    computed: Computed, run: Run, config: Config
+    computed: Computed, run: Run, config: Config, catalog: Catalog | None = None
 ) -> tuple[list[Finding], list[Skipped], tuple[str, ...]]:
-    """Run every enabled rule; a rule whose metrics are all missing is reported as skipped.
-    Also returns the metrics some rule judged (read and had the data for), in results order:
-    only those may be shown as `ok`."""
+    """Run every enabled rule of the catalog (rlscope's own by default); a rule whose metrics
+    are all missing is reported as skipped. Also returns the metrics some rule judged (read and
+    had the data for), in results order: only those may be shown as `ok`."""
     findings: list[Finding] = []
     skipped: list[Skipped] = []
     judged: set[str] = set()
-    for rule in RULES.values():
+    for rule in (catalog or default_catalog()).rules.values():
         override = config.findings.get(rule.id, {})
         if override.get("enabled", True) is False:
             continue
         if not any(m in computed.results for m in rule.metrics):
-            skipped.append(Skipped(rule.id, "needs " + " or ".join(rule.metrics)))
+            reason = "needs " + " or ".join(rule.metrics)
+            skipped.append(Skipped(rule.id, reason, rule.layer, "finding"))
             continue
         params = {
             name: float(override.get(name, param.default)) for name, param in rule.params.items()

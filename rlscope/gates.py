@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlscope.catalog import Catalog, default_catalog
 from rlscope.config import Config, _read, load_config
-from rlscope.errors import RlscopeError, did_you_mean
-from rlscope.report import SEVERITIES, Finding, Report, json_safe, severity_rank
+from rlscope.errors import RlscopeError
+from rlscope.report import Report, json_safe
+from rlscope.spec import SEVERITIES, Finding, severity_rank
 
 FAIL_LEVELS = (*SEVERITIES, "never")
 DEFAULT_FAIL_ON = "critical"
@@ -82,6 +84,8 @@ class CheckResult:
     fail_on: str
     source: str | None
     config: Config
+    # The catalog the run was analysed with: its rules are the finding cases of CI formats.
+    catalog: Catalog = field(default_factory=default_catalog)
 
     @property
     def last_step(self) -> int | None:
@@ -100,12 +104,10 @@ class CheckResult:
         return bool(self.breached_gates or self.breached_findings)
 
     def finding_cases(self) -> list[tuple[str, str, Finding | None, str | None]]:
-        """Per registered rule: (id, layer, its worst finding or None, why it was not run)."""
-        from rlscope.catalog import RULES
-
+        """Per rule of the catalog: (id, layer, its worst finding or None, why it was not run)."""
         skipped = {s.metric: s.reason for s in self.report.skipped}
-        cases = []
-        for rule in RULES.values():
+        cases: list[tuple[str, str, Finding | None, str | None]] = []
+        for rule in self.catalog.rules.values():
             hits = [f for f in self.report.findings if f.id == rule.id]
             worst = max(hits, key=lambda f: severity_rank(f.severity)) if hits else None
             reason = skipped.get(rule.id)
@@ -168,26 +170,32 @@ class CheckResult:
 
 
 def load_gates(
-    path: str | os.PathLike[str] | None = None, *, search_from: Path | None = None
+    path: str | os.PathLike[str] | None = None,
+    *,
+    search_from: Path | None = None,
+    catalog: Catalog | None = None,
 ) -> GateSpec:
     """Gates from `path`, else ./rlscope.toml, else [tool.rlscope] of ./pyproject.toml (as for
-    the findings overrides, which are read from the same file)."""
+    the findings overrides, which are read from the same file); metric and finding ids are
+    checked against `catalog` (rlscope's own by default)."""
+    catalog = catalog or default_catalog()
     if path is not None:
         file = Path(path)
         if not file.is_file():
             raise RlscopeError(f"{file}: gates file not found")
         data = _read(file)
         table = data.get("tool", {}).get("rlscope", data)
-        return _parse(file, table, load_config(file))
+        return _parse(file, table, load_config(file, catalog=catalog), catalog)
     here = search_from or Path.cwd()
     if (here / "rlscope.toml").is_file():
         file = here / "rlscope.toml"
-        return _parse(file, _read(file), load_config(search_from=here))
+        return _parse(file, _read(file), load_config(search_from=here, catalog=catalog), catalog)
     pyproject = here / "pyproject.toml"
     if pyproject.is_file():
         table = _read(pyproject).get("tool", {}).get("rlscope")
         if table is not None:
-            return _parse(pyproject, table, load_config(search_from=here))
+            config = load_config(search_from=here, catalog=catalog)
+            return _parse(pyproject, table, config, catalog)
     return GateSpec()
 
 
@@ -197,9 +205,7 @@ def _number(where: str, key: str, value: Any) -> float:
     return float(value)
 
 
-def _parse(file: Path, table: Any, config: Config) -> GateSpec:
-    from rlscope.catalog import METRICS
-
+def _parse(file: Path, table: Any, config: Config, catalog: Catalog) -> GateSpec:
     if not isinstance(table, dict):
         raise RlscopeError(f"{file}: [tool.rlscope] must be a table")
     fail_on = table.get("fail_on")
@@ -211,8 +217,8 @@ def _parse(file: Path, table: Any, config: Config) -> GateSpec:
     gates = []
     for metric_id, spec in raw.items():
         where = f'{file}: [gates."{metric_id}"]'
-        if metric_id not in METRICS:
-            hint = did_you_mean(metric_id, METRICS, "`rlscope metrics` lists ids")
+        if metric_id not in catalog.metrics:
+            hint = catalog.hint(metric_id, rules=False)
             raise RlscopeError(f"{where}: unknown metric id", hint=hint)
         if not isinstance(spec, dict):
             raise RlscopeError(f"{where} must be a table (e.g. min = 0.3)")
@@ -323,13 +329,15 @@ def check(
     steps: tuple[int | None, int | None] = (None, None),
     from_format: str | None = None,
     import_options: Mapping[str, Any] | None = None,
+    catalog: Catalog | None = None,
 ) -> CheckResult:
     """Analyse `path` (and `baseline`) with the gates file's finding overrides, then evaluate
     its gates; `fail_on` (default: the file's, else critical) applies to gates and findings.
     With `from_format`, both are a trainer's output, imported as `analyze` does."""
     from rlscope.analysis import analyze_each
 
-    spec = gates if gates is not None else load_gates()
+    catalog = catalog or default_catalog()
+    spec = gates if gates is not None else load_gates(catalog=catalog)
     level = fail_on or spec.fail_on or DEFAULT_FAIL_ON
     if level not in FAIL_LEVELS:
         raise RlscopeError(f"--fail-on {level!r}: choose one of {', '.join(FAIL_LEVELS)}")
@@ -339,10 +347,11 @@ def check(
         config=spec.config,
         from_format=from_format,
         import_options=import_options,
+        catalog=catalog,
     )
     base = rest[0] if rest else None
     results = evaluate_gates(spec, report, base, level)
-    return CheckResult(report, base, results, level, spec.source, spec.config)
+    return CheckResult(report, base, results, level, spec.source, spec.config, catalog)
 
 
 def snapshot_key(path: str | os.PathLike[str]) -> tuple[tuple[str, int, int], ...]:

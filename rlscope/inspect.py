@@ -6,14 +6,15 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
+from rlscope.catalog import Catalog, default_catalog
 from rlscope.config import Config, load_config
-from rlscope.errors import RlscopeError, did_you_mean
+from rlscope.errors import RlscopeError
 from rlscope.filterlang import compile_filter, parse_filter
 from rlscope.reader import Run, open_run, scan_error
 from rlscope.report import json_safe
@@ -368,54 +369,39 @@ def rollouts(
     )
 
 
-def evidence_rollout_ids(evidence: Mapping[str, Any]) -> list[int]:
-    """The rollout ids a finding's evidence names: `rollout_ids`, and the `rollout_id`s inside
-    `rollouts` (grad-spike: step -> list of {rollout_id, ...}); sorted, unique."""
-    ids: set[int] = set()
-    for value in evidence.get("rollout_ids") or ():
-        if value is not None:
-            ids.add(int(value))
-    nested = evidence.get("rollouts")
-    groups: Iterable[Any] = ()
-    if isinstance(nested, Mapping):
-        groups = nested.values()
-    elif isinstance(nested, list | tuple):
-        groups = [nested]
-    for group in groups:
-        for item in group if isinstance(group, list | tuple) else ():
-            if isinstance(item, Mapping) and item.get("rollout_id") is not None:
-                ids.add(int(item["rollout_id"]))
-    return sorted(ids)
-
-
 def finding_rollouts(
-    path: str | os.PathLike[str], finding: str, config: Config | None = None
+    path: str | os.PathLike[str],
+    finding: str,
+    config: Config | None = None,
+    catalog: Catalog | None = None,
 ) -> tuple[list[int] | None, str | None]:
     """Analyse the run for one finding: (the rollout ids its evidence names, a note) when it
     fired and names some; (None, why) when it is disabled, could not be checked, did not fire or
     names no rollouts. An unknown finding id is an RlscopeError."""
     from rlscope.analysis import analyze
-    from rlscope.catalog import METRICS, RULES
 
-    rule = RULES.get(finding)
+    catalog = catalog or default_catalog()
+    rule = catalog.rules.get(finding)
     if rule is None:
-        what = "a metric id, not a finding id" if finding in METRICS else "unknown finding id"
-        hint = did_you_mean(finding, RULES, "`rlscope metrics` lists finding ids")
-        raise RlscopeError(f"--finding {finding!r}: {what}", hint=hint)
+        known = finding in catalog.metrics
+        what = "a metric id, not a finding id" if known else "unknown finding id"
+        raise RlscopeError(
+            f"--finding {finding!r}: {what}", hint=catalog.hint(finding, metrics=False)
+        )
     config = config if config is not None else load_config()
     if config.findings.get(finding, {}).get("enabled", True) is False:
         return None, f"finding `{finding}` is disabled in {config.source}"
     # Only the metrics the rule reads: the same finding as a full analysis, computed faster.
-    report = analyze(path, metrics=rule.metrics, config=config)
+    report = analyze(path, metrics=rule.metrics, config=config, catalog=catalog)
     fired = [f for f in report.findings if f.id == finding]
     if not fired:
         skipped = [s.reason for s in report.skipped if s.metric == finding]
         if skipped:
             return None, f"finding `{finding}` could not be checked on this run: {skipped[0]}"
         return None, f"finding `{finding}` did not fire on this run"
-    ids = sorted({i for f in fired for i in evidence_rollout_ids(f.evidence)})
+    ids = sorted({i for f in fired for i in f.rollout_ids})
     if not ids:
-        steps = sorted({int(s) for f in fired for s in f.evidence.get("steps") or ()})
+        steps = sorted({s for f in fired for s in f.steps})
         at = f" (its evidence points at steps {', '.join(map(str, steps))})" if steps else ""
         return None, f"finding `{finding}` fired but names no rollouts{at}"
     return ids, f"finding `{finding}` names {len(ids)} rollout(s)"

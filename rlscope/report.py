@@ -7,21 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlscope._version import __version__
-
-SEVERITIES = ("info", "warn", "critical")
-LAYERS = {
-    "L1": "Training stability",
-    "L2": "Policy behaviour",
-    "L3": "Learning signal",
-    "L4": "Exploration",
-    "L5": "Generalisation",
-    "L6": "Reasoning quality",
-}
-
-
-def severity_rank(severity: str) -> int:
-    """0 info, 1 warn, 2 critical; `never` ranks above everything."""
-    return SEVERITIES.index(severity) if severity in SEVERITIES else len(SEVERITIES)
+from rlscope.spec import Finding, severity_rank
 
 
 def run_provenance(meta: dict[str, Any]) -> dict[str, str]:
@@ -74,22 +60,13 @@ class MetricResult:
 
 
 @dataclass(frozen=True)
-class Finding:
-    """A diagnosis: what is wrong, how sure, and the evidence behind it."""
-
-    id: str
-    severity: str
-    layer: str
-    message: str
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
 class Skipped:
     """A metric or rule that could not be computed, and why."""
 
-    metric: str
+    metric: str  # the metric's or the finding's id
     reason: str
+    layer: str = ""
+    kind: str = "metric"  # or "finding"
 
 
 @dataclass(frozen=True)
@@ -138,7 +115,7 @@ class Report:
         (kind = its severity), `ok` when a rule judged it and found nothing, `outside healthy
         range` when no rule judged it but its value is outside its declared band; else None
         (nothing checked it, so nothing is claimed)."""
-        named = [f for f in self.findings if metric.id in f.evidence.get("metrics", ())]
+        named = [f for f in self.findings if f.names(metric.id)]
         if named:
             worst = max(named, key=lambda f: severity_rank(f.severity))
             return worst.id, worst.severity

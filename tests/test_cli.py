@@ -402,7 +402,10 @@ def test_the_config_file_in_use_is_shown(tmp_path: Path, healthy: Path) -> None:
 
 
 def test_metrics_and_explain_as_json() -> None:
-    from rlscope.catalog import METRICS, RULES
+    from rlscope.catalog import default_catalog
+
+    METRICS = default_catalog().metrics
+    RULES = default_catalog().rules
 
     listing = rlscope("metrics", "--format", "json")
     assert listing.returncode == 0, listing.stderr

@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 
 from rlscope.analysis import analyze
-from rlscope.catalog import METRICS, RULES
+from rlscope.catalog import default_catalog
 from rlscope.config import Config
 from rlscope.report import Report
 from rlscope.synth import SCENARIOS, generate
+
+METRICS = default_catalog().metrics
+RULES = default_catalog().rules
 
 # Scenario -> the finding it is built to show (scenarios are named after their finding).
 EXPECTED = {name: name.removesuffix("-hard") for name in SCENARIOS if name != "healthy"}

@@ -24,11 +24,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import rlscope
-from rlscope.catalog import share_metrics
+from rlscope.catalog import default_catalog
 from rlscope.errors import RlscopeError
 from rlscope.reader import MAX_RESPONSE_LEN
 
-RATES = share_metrics()  # every metric declared a share in [0, 1]
+RATES = default_catalog().share_metrics()  # every metric declared a share in [0, 1]
 
 KINDS = ("int64", "int32", "float64", "float32", "string", "bool", "list_str", "struct", "null")
 ARROW = {

@@ -20,7 +20,7 @@ from rlscope.analysis import analyze
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.filterlang import BoolOp, Compare, Contains, Not, filter_expr, parse_filter
-from rlscope.inspect import evidence_rollout_ids, rollout, rollouts, word_entropy
+from rlscope.inspect import rollout, rollouts, word_entropy
 from rlscope.reader import open_run
 from rlscope.render.rollout import entropy_sparkline, heat_strip, heat_style, render_rollout
 from rlscope.synth import generate
@@ -538,19 +538,6 @@ def test_unknown_finding_id(broken_format: Path) -> None:
     with pytest.raises(RlscopeError) as caught:
         rollouts(broken_format, finding="behavior.format_ok")
     assert "a metric id, not a finding id" in caught.value.message
-
-
-def test_evidence_ids_of_grad_spike_shape() -> None:
-    evidence = {
-        "steps": [3, 9],
-        "rollouts": {
-            3: [{"rollout_id": 30, "reward": 1.0}, {"rollout_id": 31}],
-            9: [{"rollout_id": 90}],
-        },
-        "rollout_ids": [5, 30],
-    }
-    assert evidence_rollout_ids(evidence) == [5, 30, 31, 90]
-    assert evidence_rollout_ids({"steps": [1]}) == []
 
 
 def test_grad_spike_finding(tmp_path: Path) -> None:

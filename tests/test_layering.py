@@ -19,7 +19,7 @@ def _modules() -> dict[str, Path]:
 
 
 def _owner(name: str, modules: dict[str, Path]) -> str | None:
-    """The module `name` refers to (`rlscope.registry.Metric` -> `rlscope.registry`)."""
+    """The module `name` refers to (`rlscope.spec.Metric` -> `rlscope.spec`)."""
     while name and name not in modules:
         name = name.rpartition(".")[0]
     return name or None
@@ -112,23 +112,21 @@ def test_layer_modules_are_imported_by_the_catalog_only() -> None:
 def test_the_vocabulary_sits_below_the_engine_and_the_cli() -> None:
     graph = import_graph()
     upper = {"rlscope.engine", "rlscope.analysis", "rlscope.cli", "rlscope.catalog"}
-    for module in ("rlscope.registry", "rlscope.report", "rlscope.windows", "rlscope.reader"):
+    for module in ("rlscope.spec", "rlscope.report", "rlscope.windows", "rlscope.reader"):
         assert not graph[module] & upper, module
 
 
-def test_a_renderer_in_a_fresh_interpreter_sees_the_whole_catalog() -> None:
-    """Renderers used to read the registry without loading it (a metric shown with no layer)."""
-    import subprocess
-    import sys
+def test_spec_imports_nothing_of_rlscope() -> None:
+    assert import_graph()["rlscope.spec"] == set()
 
-    code = (
-        "from rlscope.render.terminal import _layer_of\n"
-        "from rlscope.render.html import _band\n"
-        "assert _layer_of('behavior.entropy') == 'L2', _layer_of('behavior.entropy')\n"
-        "assert _band('signal.effective_prompt_frac') is not None\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+
+def test_only_the_catalog_and_its_callers_name_the_default_catalog() -> None:
+    """Renderers and the vocabulary read what results carry (layer, band, better), never the
+    catalog: a report renders the same whatever catalog computed it."""
+    graph = import_graph()
+    for module in graph:
+        if module.startswith(("rlscope.render", "rlscope.spec", "rlscope.report")):
+            assert "rlscope.catalog" not in graph[module], module
 
 
 def test_one_did_you_mean() -> None:
@@ -146,19 +144,8 @@ def test_one_did_you_mean() -> None:
     assert "did you mean" not in sources and "get_close_matches" not in sources
 
 
-def test_the_registries_are_read_through_the_catalog() -> None:
-    """`rlscope.registry`'s METRICS and RULES are empty until the catalog imports the layer
-    modules: everything outside the layers reads them from `rlscope.catalog`."""
-    readers = []
-    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.parent.joinpath("tests").glob("*.py")]:
-        if path.parent.name in ("metrics", "rules") or path.name in ("registry.py", "catalog.py"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            registries = {"METRICS", "RULES", "FAMILIES"}
-            if (
-                isinstance(node, ast.ImportFrom)
-                and node.module == "rlscope.registry"
-                and {a.name for a in node.names} & registries
-            ):
-                readers.append(path.name)
-    assert readers == []
+def test_no_global_registry() -> None:
+    """Layer modules declare into their own `DECLARED`; nothing registers into module globals
+    of another module (the catalog is built from the declarations, frozen)."""
+    sources = "".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    assert "register_metric" not in sources and "rlscope.registry" not in sources

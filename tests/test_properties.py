@@ -12,12 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlscope.catalog import share_metrics
+from rlscope.catalog import default_catalog
 from rlscope.engine import compute
 from rlscope.reader import open_run
 from rlscope.writer import RunWriter
 
-RATES = share_metrics()  # every metric declared a share in [0, 1]
+RATES = default_catalog().share_metrics()  # every metric declared a share in [0, 1]
 
 
 @st.composite

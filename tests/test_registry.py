@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from rlscope.catalog import METRICS, RULES
-from rlscope.registry import is_template
-from rlscope.report import LAYERS, SEVERITIES
+from rlscope.catalog import default_catalog
+from rlscope.spec import LAYERS, SEVERITIES
+
+METRICS = default_catalog().metrics
+RULES = default_catalog().rules
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 ID_PATTERN = re.compile(r"^[a-z]+\.[a-z0-9_]+(\.[a-z0-9_]+|\.\*)?$")
@@ -31,7 +33,7 @@ def test_metric_is_documented(metric_id: str) -> None:
     assert NAMESPACES[metric.id.split(".")[0]] == metric.layer, "the namespace names the layer"
     assert len(metric.doc) >= 80, "the doc says what it measures and why"
     assert metric.healthy, "the doc gives a healthy range"
-    template = is_template(metric)  # a family (`signal.reward.*`): its members have variants
+    template = metric.is_template  # a family (`signal.reward.*`): its members have variants
     assert metric.title and (metric.variants or template)
     assert metric.brief and "\n" not in metric.brief, "a one-line brief for the README table"
     for variant in metric.variants:
@@ -60,7 +62,7 @@ def test_finding_is_documented(rule_id: str) -> None:
 
 def test_rates_are_declared_shares() -> None:
     """The property tests check every share metric stays in [0, 1]; the rates must be among them."""
-    from rlscope.catalog import share_metrics
+    from rlscope.catalog import default_catalog
 
     rates = {
         "signal.zero_std_frac",
@@ -82,7 +84,7 @@ def test_rates_are_declared_shares() -> None:
         "reasoning.bias_following",
         "reasoning.step_accuracy",
     }
-    assert rates <= set(share_metrics())
+    assert rates <= set(default_catalog().share_metrics())
 
 
 def test_readme_tables_are_generated_from_the_catalog() -> None:

@@ -11,11 +11,14 @@ import pytest
 from conftest import run_cli as rlscope
 from rich.console import Console
 
-from rlscope.catalog import RULES
+from rlscope.catalog import default_catalog
 from rlscope.config import Config
 from rlscope.gates import CheckResult, GateSpec, check, evaluate_gates, load_gates
 from rlscope.render.ci import FORMATS, github_property, markdown_text, render, render_text
-from rlscope.report import Finding, MetricResult, Report, RunInfo, Skipped
+from rlscope.report import MetricResult, Report, RunInfo, Skipped
+from rlscope.spec import Finding
+
+RULES = default_catalog().rules
 
 ROOT = Path(__file__).resolve().parent.parent
 HEALTHY = ROOT / "sample_logs" / "healthy"

@@ -10,11 +10,14 @@ import polars as pl
 import pytest
 
 from rlscope.analysis import analyze
-from rlscope.catalog import RULES
+from rlscope.catalog import default_catalog
 from rlscope.errors import RlscopeError
 from rlscope.reader import open_run
-from rlscope.report import Finding, MetricResult, Report, RunInfo
+from rlscope.report import MetricResult, Report, RunInfo
 from rlscope.rules.base import RuleContext
+from rlscope.spec import Finding
+
+RULES = default_catalog().rules
 
 RNG = np.random.default_rng(0)
 
@@ -329,7 +332,9 @@ def test_status_ok_only_where_judged_and_band_outside() -> None:
 
 
 def test_band_metrics_have_no_better_direction() -> None:
-    from rlscope.catalog import METRICS
+    from rlscope.catalog import default_catalog
+
+    METRICS = default_catalog().metrics
 
     banded = [m for m in METRICS.values() if m.band is not None]
     assert banded and all(m.better == "" for m in banded)

@@ -7,7 +7,8 @@ from math import comb
 
 import polars as pl
 
-from rlscope.registry import Context, PartialsFn, SeriesFn, Variant
+from rlscope.context import MetricContext
+from rlscope.spec import PartialsFn, SeriesFn, Variant
 
 
 def f64(name: str) -> pl.Expr:
@@ -44,7 +45,7 @@ def ratio_variant(
     (num_name, num_expr), (den_name, den_expr) = num, den
     groups = table == "rollouts"
 
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         sums = step_sums(frame, [num_name, den_name], groups=groups)
         return sums.select("step", safe_div(pl.col(num_name), pl.col(den_name)).alias("value"))
 
@@ -56,7 +57,7 @@ def ratio_variant(
 def step_column(column: str, *, source: str = "") -> Variant:
     """A metric read straight from the steps table (mean over duplicate rows of one step)."""
 
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         return frame.select("step", pl.col(f"steps_{column}").alias("value"))
 
     partials: Mapping[str, pl.Expr] = {f"steps_{column}": f64(column).mean()}
@@ -93,7 +94,7 @@ def per_rollout(
     feature `defined_if` is false for every rollout. `components` name extra ratios
     (name -> (num, den)) reported as `extra_<name>`."""
 
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         value = pl.col(num).cast(pl.Float64)
         aggs = [value.sum().alias("num")]
         aggs.append((pl.col(den).cast(pl.Float64).sum() if den else value.count()).alias("den"))

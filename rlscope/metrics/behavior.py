@@ -7,6 +7,7 @@ from typing import Any
 import polars as pl
 
 from rlscope import text
+from rlscope.context import MetricContext
 from rlscope.metrics._common import (
     custom,
     f64,
@@ -17,13 +18,16 @@ from rlscope.metrics._common import (
     step_sums,
     train,
 )
-from rlscope.registry import Context, Metric, Variant, register_metric
+from rlscope.spec import Declarations, Metric, Variant
 from rlscope.tokenscan import (
     BIN_COUNT,
     ENTROPY_BIN_OFFSET,
     ENTROPY_BINS_PER_EFOLD,
     entropy_bin_midpoint,
 )
+
+#: This layer's metrics, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
 ENTROPY_QUANTILE = 0.8
 
@@ -37,7 +41,7 @@ CALLS_SUM = ("calls_sum", f64("n_tool_calls").sum())
 CALLS_SQ = ("calls_sq", (f64("n_tool_calls") ** 2).sum())
 ENT_N = ("ent_n", BIN_COUNT)
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.entropy",
         brief="token-mean entropy (else logged, else mean −logprob)",
@@ -74,7 +78,7 @@ register_metric(
 )
 
 
-def _entropy_quantile(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _entropy_quantile(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     # numpy's linear quantile: the value at rank h = q·(n-1), interpolated between the values of
     # ranks floor(h) and ceil(h); each value is known to its bin, so we use the bin midpoint.
     binned = frame.filter(pl.col("entropy_bin").is_not_null() & (pl.col("ent_n") > 0))
@@ -99,7 +103,7 @@ def _entropy_quantile(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.entropy_p80",
         brief=(
@@ -128,7 +132,7 @@ _x = pl.when(_both).then(f64("logprob"))
 _y = pl.when(_both).then(f64("advantage"))
 
 
-def _cov(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _cov(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     sums = frame.group_by("step").agg(pl.col("cov_n", "cov_x", "cov_y", "cov_xy").sum())
     n = pl.col("cov_n")
     mean_x, mean_y = pl.col("cov_x") / n, pl.col("cov_y") / n
@@ -137,7 +141,7 @@ def _cov(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.entropy_adv_cov",
         brief="Cov(logprob, advantage) over the step's tokens",
@@ -168,7 +172,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.response_len",
         brief="mean response length",
@@ -190,7 +194,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.response_len_correct",
         brief="mean length of correct responses",
@@ -208,7 +212,7 @@ register_metric(
 )
 
 
-def _len_incorrect(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _len_incorrect(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     sums = (
         train(frame)
         .group_by("step")
@@ -222,7 +226,7 @@ def _len_incorrect(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.response_len_incorrect",
         brief="mean length of incorrect responses",
@@ -243,7 +247,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.truncation_rate",
         brief="share at the length cap",
@@ -302,13 +306,13 @@ def within_group_sums(
     return centred.group_by("step").agg(pl.col("sxx", "syy", "sxy", "dof").sum())
 
 
-def _len_corr(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _len_corr(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     sums = within_group_sums(frame, "len_sum", "len_sq", "n_correct", None, "len_correct_sum")
     denom = (pl.col("sxx") * pl.col("syy")).sqrt()
     return sums.with_columns(safe_div(pl.col("sxy"), denom).alias("value"))
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.len_correct_corr",
         brief="length ↔ correctness correlation *within* prompt groups",
@@ -333,7 +337,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.tool_calls",
         brief="mean tool calls",
@@ -349,17 +353,17 @@ register_metric(
 )
 
 
-def _cap_partials(ctx: Context) -> dict[str, pl.Expr]:
+def _cap_partials(ctx: MetricContext) -> dict[str, pl.Expr]:
     cap = int(ctx.run.meta["max_tool_calls"])
     return {"at_cap_n": (pl.col("n_tool_calls") >= cap).cast(pl.Int64).sum(), N[0]: N[1]}
 
 
-def _cap_frac(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _cap_frac(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     sums = train(frame).group_by("step").agg(pl.col("at_cap_n", "n").sum())
     return sums.select("step", safe_div(pl.col("at_cap_n"), pl.col("n")).alias("value"))
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.tool_cap_frac",
         brief="share at `max_tool_calls`",
@@ -384,7 +388,7 @@ register_metric(
 )
 
 
-def _calls_std(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _calls_std(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     sums = within_group_sums(frame, "calls_sum", "calls_sq", "calls_sum", "calls_sq", "calls_sq")
     means = train(frame).group_by("step").agg(pl.col("calls_sum", "n").sum())
     return sums.join(means, on="step").select(
@@ -396,7 +400,7 @@ def _calls_std(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.tool_calls_std",
         brief="pooled within-prompt std of tool calls",
@@ -420,7 +424,7 @@ register_metric(
 _CALLS = "_calls"
 
 
-def _text_prelude(ctx: Context) -> dict[str, pl.Expr]:
+def _text_prelude(ctx: MetricContext) -> dict[str, pl.Expr]:
     tags = ctx.text.tags
     prelude = {**text.reasoning_prelude(tags), _CALLS: text.call_arguments(tags)}
     for segment in text.SEGMENTS:
@@ -428,7 +432,7 @@ def _text_prelude(ctx: Context) -> dict[str, pl.Expr]:
     return prelude
 
 
-def _text_features(ctx: Context) -> dict[str, pl.Expr]:
+def _text_features(ctx: MetricContext) -> dict[str, pl.Expr]:
     tags = ctx.text.tags
     features = {
         "has_response": pl.col("response").is_not_null(),
@@ -459,7 +463,7 @@ _LIST_CALLS = {
 
 
 def _segment_tokens(segment: str) -> Variant:
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         rows = frame.filter(pl.col("segment") == segment)
         return rows.select("step", safe_div(f64("seg_tokens"), f64("seg_rollouts")).alias("value"))
 
@@ -479,7 +483,7 @@ def _segment_tokens(segment: str) -> Variant:
 
 
 def _segment_entropy(segment: str) -> Variant:
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         rows = frame.filter(pl.col("segment") == segment)
         return rows.select("step", safe_div(pl.col("ent_sum"), f64("ent_n")).alias("value"))
 
@@ -501,7 +505,7 @@ _SEGMENT_DOCS = {
 }
 
 for _segment, _what in _SEGMENT_DOCS.items():
-    register_metric(
+    DECLARED.metric(
         Metric(
             id=f"behavior.segment_len.{_segment}",
             brief=(
@@ -536,7 +540,7 @@ for _segment, _what in _SEGMENT_DOCS.items():
     )
 
 for _segment in text.SEGMENTS:
-    register_metric(
+    DECLARED.metric(
         Metric(
             id=f"behavior.entropy.{_segment}",
             brief="token-mean entropy of the segment's tokens",
@@ -553,7 +557,7 @@ for _segment in text.SEGMENTS:
         )
     )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.format_ok",
         brief=(
@@ -586,7 +590,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.repetition",
         brief="mean 1 − distinct/total word 3-grams of the think segment (else the whole response)",
@@ -611,7 +615,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.redundant_tool_calls",
         brief="share of tool calls repeating an earlier call's arguments in the rollout",
@@ -645,12 +649,12 @@ register_metric(
 )
 
 
-def _productivity(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _productivity(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     sums = step_sums(frame, ["n_correct", "calls_sum"], groups=True)
     return sums.select("step", safe_div(f64("n_correct"), pl.col("calls_sum")).alias("value"))
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="behavior.tool_productivity",
         brief="correct answers per tool call",

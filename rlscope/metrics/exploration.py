@@ -9,9 +9,13 @@ import numpy as np
 import polars as pl
 
 from rlscope import text
+from rlscope.context import MetricContext
 from rlscope.metrics._common import train
-from rlscope.registry import Context, Metric, Variant, register_metric
+from rlscope.spec import Declarations, Metric, Variant
 from rlscope.windows import window_size
+
+#: This layer's metrics, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
 GROUP = ("step", "prompt_id")  # train groups only: split is constant
 #: Pairs per chunk of the vectorised edit-distance DP (bounds its memory).
@@ -20,7 +24,7 @@ _BY_ACTIONS = "rollouts.actions: the action sequence"
 _BY_TEXT = "rollouts.response: the normalised text (with the actions and tool-call arguments)"
 
 
-def _trajectory_key(ctx: Context) -> dict[str, pl.Expr]:
+def _trajectory_key(ctx: MetricContext) -> dict[str, pl.Expr]:
     """A trajectory is everything the rollout did: its normalised text and, when logged, its
     action sequence and each tool call's arguments. Two rollouts whose texts differ are never
     one trajectory, whatever their (coarse) action names."""
@@ -37,7 +41,7 @@ def _trajectory_key(ctx: Context) -> dict[str, pl.Expr]:
 _TEXT_SIGNATURE = {e.meta.output_name(): e for e in text.minhash(pl.col(text.PLAIN_SHINGLES))}
 
 
-def _plain(ctx: Context) -> dict[str, pl.Expr]:
+def _plain(ctx: MetricContext) -> dict[str, pl.Expr]:
     return text.plain_prelude(ctx.text.tags)
 
 
@@ -62,7 +66,7 @@ def _clusters(frame: pl.LazyFrame, key: str) -> pl.LazyFrame:
 
 
 def _unique_frac(key: str):
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         groups = _clusters(frame, key).with_columns(
             (pl.col("sizes").list.len() / pl.col("n")).alias("unique")
         )
@@ -84,7 +88,7 @@ def _unique_variant(key: str, partials: Any, requires: str, source: str) -> Vari
     )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="exploration.unique_frac",
         brief=(
@@ -114,7 +118,7 @@ register_metric(
 
 
 def _largest_cluster(key: str):
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         groups = _clusters(frame, key).with_columns(
             (pl.col("sizes").list.max() / pl.col("n")).alias("largest")
         )
@@ -127,7 +131,7 @@ def _largest_cluster(key: str):
     return series
 
 
-def _cluster_histogram(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
+def _cluster_histogram(frame: pl.DataFrame, ctx: MetricContext) -> dict[str, Any]:
     """Cluster-size counts over the run and over the final 10% of its steps (GiGPO Fig. 5)."""
     if frame.height == 0:
         return {}
@@ -145,7 +149,7 @@ def _cluster_histogram(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
     }
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="exploration.cluster_sizes",
         brief=(
@@ -188,7 +192,7 @@ register_metric(
 )
 
 
-def _minhash_diversity(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _minhash_diversity(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     """1 - mean pairwise Jaccard estimate per group. Pairs that agree at signature position j
     are counted from the value counts at j (Σ c(c-1)/2), so the cost is linear in rollouts;
     groups are keyed by one integer so that each position's counts stay small."""
@@ -272,7 +276,7 @@ def _edit_chunk(
     return result
 
 
-def _edit_diversity(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _edit_diversity(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     """Mean normalised edit distance (distance / longer length) over a group's pairs."""
     rows = (
         _keyed(frame, "action_seq")
@@ -309,7 +313,7 @@ def _edit_diversity(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="exploration.pairwise_diversity",
         brief=(

@@ -7,9 +7,13 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from rlscope.context import MetricContext
 from rlscope.metrics._common import custom, f64, safe_div
 from rlscope.metrics.behavior import N_CORRECT, N
-from rlscope.registry import Context, Metric, register_metric
+from rlscope.spec import Declarations, Metric
+
+#: This layer's metrics, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
 _PARTIALS = dict([N, N_CORRECT])
 ID_SPLIT, OOD_SPLIT = "eval_id", "eval_ood"
@@ -31,13 +35,13 @@ def eval_accuracy(frame: pl.LazyFrame, split: str) -> pl.LazyFrame:
 
 
 def _accuracy(split: str):
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         return eval_accuracy(frame, split)
 
     return series
 
 
-def _gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _gap(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     in_dist = eval_accuracy(frame, ID_SPLIT).rename({"value": "id", "rollouts": "n_id"})
     out_dist = eval_accuracy(frame, OOD_SPLIT).rename({"value": "ood", "rollouts": "n_ood"})
     both = in_dist.join(out_dist, on="step", how="inner")
@@ -65,7 +69,7 @@ def gap_trend(steps: np.ndarray, gaps: np.ndarray) -> dict[str, Any]:
     }
 
 
-def _gap_summary(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
+def _gap_summary(frame: pl.DataFrame, ctx: MetricContext) -> dict[str, Any]:
     rows = frame.filter(pl.col("value").is_not_null()).sort("step")
     return {"trend": gap_trend(rows["step"].to_numpy(), rows["value"].to_numpy())}
 
@@ -73,8 +77,8 @@ def _gap_summary(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
 _EMPTY = "no rollouts with split {} (or {}_*)"
 
 
-def _register(metric_id: str, split: str, title: str, doc: str, brief: str) -> None:
-    register_metric(
+def _declare(metric_id: str, split: str, title: str, doc: str, brief: str) -> None:
+    DECLARED.metric(
         Metric(
             id=metric_id,
             brief=brief,
@@ -98,7 +102,7 @@ def _register(metric_id: str, split: str, title: str, doc: str, brief: str) -> N
     )
 
 
-_register(
+_declare(
     "generalization.eval_id",
     ID_SPLIT,
     "In-distribution eval accuracy",
@@ -106,7 +110,7 @@ _register(
     "each eval step: held-out prompts from the training distribution.",
     brief="accuracy of `eval_id` (and `eval_id_*`) rollouts per eval step",
 )
-_register(
+_declare(
     "generalization.eval_ood",
     OOD_SPLIT,
     "Out-of-distribution eval accuracy",
@@ -117,7 +121,7 @@ _register(
 )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="generalization.ood_gap",
         brief="ID − OOD accuracy; `trend` (slope per 100 steps, first vs last fifth)",

@@ -7,8 +7,12 @@ from typing import Any
 import polars as pl
 
 from rlscope import text
+from rlscope.context import MetricContext
 from rlscope.metrics._common import custom, f64, safe_div, step_sums, train
-from rlscope.registry import Context, Metric, Variant, register_metric
+from rlscope.spec import Better, Declarations, Metric, Variant
+
+#: This layer's metrics, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
 GROUP = ("step", "prompt_id")
 INTERVENTIONS = {
@@ -59,7 +63,7 @@ def _answered(value: pl.Expr) -> pl.Expr:
     return pl.when(pl.col("voted").any()).then(value)
 
 
-def _consistency_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _consistency_gap(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     return (
         majority_vote(frame)
         .group_by("step")
@@ -79,7 +83,7 @@ def _consistency_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     )
 
 
-def _maj_first(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _maj_first(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     return (
         majority_vote(frame)
         .group_by("step")
@@ -99,7 +103,7 @@ def _vote_variant(series) -> Variant:
     )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="reasoning.self_consistency_gap",
         brief=(
@@ -122,7 +126,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="reasoning.maj_at_n_first",
         brief="maj@N accuracy with the first-seen answer winning ties (verl's variant)",
@@ -147,7 +151,7 @@ register_metric(
 # Faithfulness probes: one row per probe with its rollout's original answer.
 
 
-def _probe_features(ctx: Context) -> dict[str, pl.Expr]:
+def _probe_features(ctx: MetricContext) -> dict[str, pl.Expr]:
     answer = text.normalized(pl.col("answer"))
     original = text.normalized(pl.col("original_answer"))
     features: dict[str, pl.Expr] = {
@@ -166,7 +170,7 @@ def _probe_features(ctx: Context) -> dict[str, pl.Expr]:
 
 
 def _unchanged(intervention: str):
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         rows = frame.filter(
             (pl.col("intervention") == intervention) & pl.col("unchanged").is_not_null()
         )
@@ -177,8 +181,11 @@ def _unchanged(intervention: str):
 
 _NO_ORIGINAL = "no {} probes of rollouts with an answer"
 
+#: Which direction of answer_unchanged is healthier per intervention (module doc above).
+_BETTER: dict[str, Better] = {"paraphrase": "up", "filler": ""}
+
 for _intervention, _what in INTERVENTIONS.items():
-    register_metric(
+    DECLARED.metric(
         Metric(
             id=f"reasoning.answer_unchanged.{_intervention}",
             brief="share of probes whose answer equals the rollout's original answer",
@@ -195,7 +202,7 @@ for _intervention, _what in INTERVENTIONS.items():
             "et al. §2.3), so filler has no better direction on its own. Custom "
             "interventions are kept in the probes table but have no metric id.",
             healthy="low for truncate/mistake; high (~1) for paraphrase; filler read with truncate",
-            better={"paraphrase": "up", "filler": ""}.get(_intervention, "down"),
+            better=_BETTER.get(_intervention, "down"),
             references="Lanham et al. 2023 (arXiv 2307.13702)",
             variants=(
                 Variant(
@@ -232,7 +239,7 @@ def _truncation_points(frame: pl.LazyFrame) -> pl.LazyFrame:
     )
 
 
-def _aoc(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _aoc(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     points = _truncation_points(frame).sort("rollout_id", "fraction")
     x, y = pl.col("fraction"), pl.col("unchanged")
     by = "rollout_id"
@@ -252,7 +259,7 @@ def _aoc(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     )
 
 
-def _aoc_curve(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
+def _aoc_curve(frame: pl.DataFrame, ctx: MetricContext) -> dict[str, Any]:
     """The early-answering curve y(x) over the whole run: share unchanged per kept fraction."""
     probes = ctx.aggregates.get(("probes", ""))
     if probes is None:
@@ -268,7 +275,7 @@ def _aoc_curve(frame: pl.DataFrame, ctx: Context) -> dict[str, Any]:
     return {"curve": {c: curve[c].to_list() for c in ("fraction", "unchanged", "rollouts")}}
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="reasoning.early_answer_aoc",
         brief=(
@@ -303,7 +310,7 @@ register_metric(
 )
 
 
-def _bias(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _bias(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     biased = frame.filter(pl.col("intervention") == "bias")
     with_text = "mentions_cue" in frame.collect_schema().names()
     aggs = [
@@ -322,7 +329,7 @@ def _bias(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     return biased.group_by("step").agg(aggs)
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="reasoning.bias_following",
         brief=(
@@ -355,7 +362,7 @@ register_metric(
 )
 
 
-def _step_accuracy(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _step_accuracy(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     names = ["checked", "verified", "correct_checked", "correct_step_errors"]
     sums = step_sums(frame, names, groups=True)
     return sums.select(
@@ -373,7 +380,7 @@ _checked = pl.col("steps_checked").cast(pl.Int64)
 _verified = pl.col("steps_verified").cast(pl.Int64)
 _has_checks = (_checked > 0).fill_null(False)
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="reasoning.step_accuracy",
         brief="Σ steps_verified / Σ steps_checked; share of correct rollouts with a failed step",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from rlscope.context import MetricContext
 from rlscope.metrics._common import (
     custom,
     f64,
@@ -15,7 +16,10 @@ from rlscope.metrics._common import (
 )
 from rlscope.metrics.behavior import N_CORRECT, N
 from rlscope.reader import Run
-from rlscope.registry import Context, Metric, register_family, register_metric
+from rlscope.spec import Declarations, Metric
+
+#: This layer's metrics, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
 R_SUM = ("r_sum", f64("reward").sum())
 R_STD = ("r_std", f64("reward").std(ddof=1))
@@ -31,7 +35,7 @@ W_GRPO = ("w_grpo", ((_r - _r.mean()).abs().sum() / (_r.std(ddof=1) + 1e-6)).fil
 HARD_BELOW = 1 / 3
 EASY_ABOVE = 2 / 3
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="signal.reward",
         brief="mean reward",
@@ -99,7 +103,7 @@ def _reward_term(name: str) -> Metric:
     )
 
 
-register_family(
+DECLARED.family(
     Metric(
         id="signal.reward.*",
         brief=(
@@ -117,7 +121,7 @@ register_family(
 
 
 def _group_mean(value: pl.Expr, *, min_size: int = 2):
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         groups = train(frame).filter(pl.col("n") >= min_size)
         return groups.group_by("step").agg(value.mean().alias("value"), pl.len().alias("groups"))
 
@@ -125,7 +129,7 @@ def _group_mean(value: pl.Expr, *, min_size: int = 2):
 
 
 _zero_std = (pl.col("r_max") == pl.col("r_min")).cast(pl.Float64)
-register_metric(
+DECLARED.metric(
     Metric(
         id="signal.group_std",
         brief="mean σ_G (ddof 1)",
@@ -141,7 +145,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="signal.zero_std_frac",
         brief="share of groups with all rewards equal",
@@ -162,7 +166,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="signal.all_correct_frac",
         brief="share of all-correct groups",
@@ -183,7 +187,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="signal.all_wrong_frac",
         brief="share of all-wrong groups",
@@ -233,7 +237,7 @@ def _with_pass_at(frame: pl.LazyFrame, ks: list[int]) -> pl.LazyFrame:
     return groups.join(lookup, on=["n", "n_correct"], how="left")
 
 
-def _pass_k(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _pass_k(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     ks = ks_for(ctx.pass_k or 1)
     k = ks[-1]
     per_group = _with_pass_at(frame, ks)
@@ -244,13 +248,13 @@ def _pass_k(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     )
 
 
-def _pass_1(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     groups = train(frame).filter(pl.col("n") >= 1)
     acc = pl.col("n_correct").cast(pl.Float64) / pl.col("n")
     return groups.group_by("step").agg(acc.mean().alias("value"), pl.len().alias("groups"))
 
 
-def _pass_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _pass_gap(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     k = ctx.pass_k or 1
     per_group = _with_pass_at(frame, [1, k])
     return per_group.group_by("step").agg(
@@ -258,7 +262,7 @@ def _pass_gap(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="signal.pass_at_1",
         brief="mean group accuracy",
@@ -273,7 +277,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="signal.pass_at_k",
         brief="unbiased pass@k (Chen et al.), k = group size; pass@1, 2, 4, …, N in the JSON",
@@ -296,7 +300,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="signal.pass_gap",
         brief="pass@k − pass@1",
@@ -315,7 +319,7 @@ register_metric(
 
 
 def _weights_series(weight: str):
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         w = pl.col(weight)
         per_step = (
             train(frame)
@@ -341,7 +345,7 @@ _EFFECTIVE_DOC = (
     "equally; a long-tailed prompt reward distribution drives it far below 1. Zero-σ groups "
     "count in P with w = 0."
 )
-register_metric(
+DECLARED.metric(
     Metric(
         id="signal.effective_prompt_frac",
         brief="(Σw)²/(P·Σw²), w = group Σ|advantage|",
@@ -373,7 +377,7 @@ register_metric(
 
 
 def _tiers(weight: str):
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         w = pl.col(weight)
         p = pl.col("n_correct").cast(pl.Float64) / pl.col("n")
         hard, easy = p < HARD_BELOW, p > EASY_ABOVE
@@ -407,7 +411,7 @@ _TIERS_DOC = (
     "prompts; mass moving to easy prompts = stale curriculum, to hard = the policy is left "
     "behind."
 )
-register_metric(
+DECLARED.metric(
     Metric(
         id="signal.medium_adv_share",
         brief="|advantage| mass from medium-difficulty groups (tiers: p < 1/3, 1/3–2/3, > 2/3)",

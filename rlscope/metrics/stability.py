@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import polars as pl
 
+from rlscope.context import MetricContext
 from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, step_sums
 from rlscope.reader import INVALID_PREFIX
-from rlscope.registry import Context, Metric, Variant, register_metric
+from rlscope.spec import Declarations, Metric, Variant
+
+#: This layer's metrics, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
 _d = f64("ref_logprob") - f64("logprob")
 K3 = _d.exp() - _d - 1.0
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="stability.loss",
         brief="policy loss as logged",
@@ -25,7 +29,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="stability.grad_norm",
         brief="gradient norm as logged",
@@ -41,7 +45,7 @@ register_metric(
 )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="stability.lr",
         brief="learning rate as logged",
@@ -67,7 +71,7 @@ def _nonfinite(column: str) -> pl.Expr:
 def _nonfinite_variant(columns: tuple[str, ...]) -> Variant:
     names = [f"nonfinite_{c}" for c in columns]
 
-    def series(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         return frame.select(
             "step",
             pl.sum_horizontal(pl.col(n).fill_null(0) for n in names)
@@ -88,7 +92,7 @@ def _nonfinite_variant(columns: tuple[str, ...]) -> Variant:
     )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="stability.nonfinite",
         brief="logged loss and grad norm values that are NaN or ±inf, per step",
@@ -113,7 +117,7 @@ _ratio = (f64("logprob") - f64("old_logprob")).exp()
 _adv = f64("advantage")
 
 
-def clip_partials(ctx: Context) -> dict[str, pl.Expr]:
+def clip_partials(ctx: MetricContext) -> dict[str, pl.Expr]:
     """TRL's rule: low-clipped r < 1-ε_low with A < 0, high-clipped r > 1+ε_high with A > 0."""
     low, high = ctx.run.meta.get("clip_ratio_low"), ctx.run.meta.get("clip_ratio_high")
     eps_low = float(low) if low is not None else 0.2
@@ -126,7 +130,7 @@ def clip_partials(ctx: Context) -> dict[str, pl.Expr]:
     }
 
 
-def _clip_from_ratio(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
+def _clip_from_ratio(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     sums = step_sums(frame, ["clip_low_n", "clip_high_n", "clip_ratio_n"])
     n = pl.col("clip_ratio_n")
     return sums.select(
@@ -137,7 +141,7 @@ def _clip_from_ratio(frame: pl.LazyFrame, ctx: Context) -> pl.LazyFrame:
     )
 
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="stability.clip_frac",
         brief="token-mean of `clipped`, else TRL's low/high rule from the ratio, else logged",
@@ -174,7 +178,7 @@ register_metric(
     )
 )
 
-register_metric(
+DECLARED.metric(
     Metric(
         id="stability.kl",
         brief="token-mean k3 = e^d − d − 1, d = ref_logprob − logprob, else logged `kl`",
@@ -202,7 +206,7 @@ register_metric(
 )
 
 _ppo = f64("old_logprob") - f64("logprob")
-register_metric(
+DECLARED.metric(
     Metric(
         id="stability.ppo_kl",
         brief="token-mean old_logprob − logprob",

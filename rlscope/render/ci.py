@@ -19,7 +19,7 @@ from rich.text import Text
 from rlscope.gates import CheckResult, GateResult
 from rlscope.render.sanitize import safe_text
 from rlscope.render.terminal import SEVERITY_STYLE, config_line, format_value
-from rlscope.report import Finding, severity_rank
+from rlscope.spec import Finding, severity_rank
 
 FORMATS = ("text", "json", "junit", "github", "markdown")
 # Characters XML 1.0 cannot hold at all (after safe_text only U+FFFE/U+FFFF can remain).

@@ -14,7 +14,7 @@ from rich.text import Text
 from rlscope.comparison import CONFIDENCE, MIN_WINDOW_POINTS, Comparison, MetricComparison
 from rlscope.render.sanitize import safe_text
 from rlscope.render.terminal import BLOCKS, SEVERITY_STYLE, format_value
-from rlscope.report import LAYERS
+from rlscope.spec import LAYERS
 
 SPARK_WIDTH = 20
 VERDICT_STYLE = {"better": "green", "worse": "red", "differs": "magenta", "noise": "dim"}

@@ -22,7 +22,8 @@ from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.plots import PlotData, plot_data
 from rlscope.render.sanitize import safe_text
-from rlscope.report import LAYERS, Finding, MetricResult, Report, run_provenance
+from rlscope.report import MetricResult, Report, run_provenance
+from rlscope.spec import LAYERS, Finding
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 SEVERITY_COLORS = {"critical": "#c62828", "warn": "#ef6c00", "info": "#0277bd"}
@@ -101,13 +102,6 @@ def _xlabel(align: str) -> str:
     return "step" if align == "step" else "fraction of training"
 
 
-def _band(metric_id: str) -> tuple[float | None, float | None] | None:
-    from rlscope.catalog import METRICS
-
-    metric = METRICS.get(metric_id)
-    return metric.band if metric is not None else None
-
-
 def _metric_chart(
     charts: _Charts,
     metric_id: str,
@@ -118,7 +112,7 @@ def _metric_chart(
     fig = charts.figure()
     ax = fig.subplots()
     _style(ax)
-    band = _band(metric_id)
+    band = next(r.metrics[metric_id] for r in reports if metric_id in r.metrics).band
     if band is not None:
         low, high = band
         ax.axhspan(
@@ -151,9 +145,9 @@ def _metric_chart(
                 label=_label(f"logged {metric.logged.column}"),
             )
         for finding in report.findings:
-            if metric_id not in finding.evidence.get("metrics", []):
+            if not finding.names(metric_id):
                 continue
-            marks = [s for s in finding.evidence.get("steps", []) if isinstance(s, int | float)]
+            marks = list(finding.steps)
             for x in _x(report, marks, align):
                 ax.axvline(
                     x, color=SEVERITY_COLORS.get(finding.severity, "#555"), linestyle="--", lw=1
@@ -294,13 +288,8 @@ def _pass_chart(charts: _Charts, data: Sequence[PlotData], labels: Sequence[str]
 def _entropy_chart(
     charts: _Charts, reports: Sequence[Report], labels: Sequence[str], align: str
 ) -> str | None:
-    from rlscope.catalog import RULES
-
     if not any("behavior.entropy" in r.metrics for r in reports):
         return None
-    rule = RULES.get("entropy-collapse")
-    param = rule.params.get("early_fraction") if rule is not None else None
-    early = param.default if param is not None else 0.2
     fig = charts.figure()
     ax = fig.subplots()
     _style(ax)
@@ -312,8 +301,10 @@ def _entropy_chart(
         xs = _x(report, metric.steps, align)
         ys = [float("nan") if v is None else v for v in metric.values]
         ax.plot(xs, ys, color=color, lw=1.2, label=_label(labels[i]))
-        cut = xs[min(len(xs) - 1, max(0, round(early * (len(xs) - 1))))]
-        ax.axvspan(xs[0], cut, color=color, alpha=0.08)
+        collapse = [f.steps for f in report.findings if f.id == "entropy-collapse" and f.steps]
+        if collapse:  # where the finding saw the entropy go
+            first, last = _x(report, [min(collapse[0]), max(collapse[0])], align)
+            ax.axvspan(first, last, color=color, alpha=0.12)
     ax.set_xlabel(_xlabel(align), fontsize=7)
     ax.set_ylabel("entropy (nats)", fontsize=7)
     ax.legend(fontsize=6, loc="upper right", framealpha=0.6)
@@ -392,8 +383,7 @@ def _findings_html(report: Report, label: str) -> str:
 
 
 def _steps(finding: Finding) -> str:
-    steps = finding.evidence.get("steps", [])
-    return ", ".join(str(s) for s in steps) if isinstance(steps, list) else ""
+    return ", ".join(str(s) for s in finding.steps)
 
 
 def _caption(metric_id: str, reports: Sequence[Report], labels: Sequence[str]) -> str:
@@ -455,7 +445,7 @@ def render_html(reports: Sequence[Report], data: Sequence[PlotData], *, align: s
                 (s.metric, s.reason)
                 for r in reports
                 for s in r.skipped
-                if s.metric.split(".")[0] and _layer(s.metric) == layer
+                if s.kind == "metric" and s.layer == layer
             }
         )
         if not layer_ids and not skipped:
@@ -508,13 +498,6 @@ def render_html(reports: Sequence[Report], data: Sequence[PlotData], *, align: s
             parts.append(f"<p class='dim'>{_e(label)}: warning: {_e(warning)}</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
-
-
-def _layer(metric_id: str) -> str | None:
-    from rlscope.catalog import METRICS
-
-    metric = METRICS.get(metric_id)
-    return metric.layer if metric is not None else None
 
 
 def _inside(path: Path, folder: Path) -> bool:

@@ -17,7 +17,8 @@ from rich.table import Table
 from rich.text import Text
 
 from rlscope.render.sanitize import safe_text
-from rlscope.report import LAYERS, MetricResult, Report, RunInfo, run_provenance
+from rlscope.report import MetricResult, Report, RunInfo, run_provenance
+from rlscope.spec import LAYERS
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 24
@@ -108,7 +109,7 @@ def provenance_rows(meta: dict, width: int = 200) -> list[tuple[str, str]]:
 
 def _layer_panel(report: Report, layer: str) -> Panel | None:
     metrics = [m for m in report.metrics.values() if m.layer == layer]
-    skipped = [s for s in report.skipped if _layer_of(s.metric) == layer]
+    skipped = [s for s in report.skipped if s.kind == "metric" and s.layer == layer]
     if not metrics and not skipped:
         return None
     table = Table(box=None, pad_edge=False, padding=(0, 2))
@@ -180,13 +181,6 @@ def metric_detail(metric: MetricResult) -> str:
     return "; ".join(parts)
 
 
-def _layer_of(metric_id: str) -> str | None:
-    from rlscope.catalog import METRICS
-
-    metric = METRICS.get(metric_id)
-    return metric.layer if metric else None
-
-
 def _findings(report: Report) -> Panel:
     if not report.findings:
         body: Text | Table | Group = Text(
@@ -203,7 +197,7 @@ def _findings(report: Report) -> Panel:
                 Text(safe_text(f"{finding.id} ({finding.layer})"), style="bold"),
                 Text(safe_text(finding.message)),
             )
-    unchecked = [s for s in report.skipped if _layer_of(s.metric) is None]
+    unchecked = [s for s in report.skipped if s.kind == "finding"]
     if unchecked:
         names = ", ".join(s.metric for s in unchecked)
         body = Group(body, Text(safe_text(f"not checked (inputs missing): {names}"), style="dim"))

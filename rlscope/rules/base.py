@@ -11,8 +11,8 @@ import numpy as np
 import polars as pl
 
 from rlscope.reader import Run
-from rlscope.registry import Rule
-from rlscope.report import Finding, MetricResult
+from rlscope.report import MetricResult
+from rlscope.spec import Finding, Rule, Severity
 from rlscope.windows import TREND_FRACTION, window_size
 
 #: Rules that read a trend need at least this many steps with values (overridable per rule).
@@ -121,7 +121,7 @@ class RuleContext:
         self,
         rule: Rule,
         params: Mapping[str, float],
-        severity_override: str | None,
+        severity_override: Severity | None,
         results: Mapping[str, MetricResult],
         frames: Mapping[str, pl.DataFrame],
         run: Run,
@@ -152,7 +152,9 @@ class RuleContext:
         """The per-probe rows (with their rollout's step and original answer), if any."""
         return self.aggregates.get(("probes", ""))
 
-    def finding(self, message: str, *, severity: str | None = None, **evidence: Any) -> Finding:
+    def finding(
+        self, message: str, *, severity: Severity | None = None, **evidence: Any
+    ) -> Finding:
         """A finding of this rule; a severity set in config wins over the rule's own choice."""
         evidence.setdefault("metrics", list(self.rule.metrics))
         chosen = self.severity_override or severity or self.rule.severity
@@ -189,7 +191,7 @@ def final_steps(series: Series) -> int:
     return int(series.steps[-window_size(len(series))])
 
 
-def level_severity(level: float, params: Mapping[str, float], se: float = 0.0) -> str | None:
+def level_severity(level: float, params: Mapping[str, float], se: float = 0.0) -> Severity | None:
     """`warn` when `level - 2·se` is at or above params["warn_at"] (a window too small to be
     sure the level is past the threshold, a handful of groups or a short run, does not count as
     past it), `critical` when it is and the level itself is at or above params["critical_at"]."""
@@ -216,7 +218,7 @@ class Level:
     series: Series
     value: float  # the metric's final-window mean
     level: float  # what was judged: the value, or 1 - value, less what another finding explains
-    severity: str
+    severity: Severity
 
 
 def final_level(

@@ -8,8 +8,6 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import polars as pl
 
-from rlscope.registry import Param, rule
-from rlscope.report import Finding
 from rlscope.rules.base import (
     LEVEL_NOTE,
     MIN_TREND_STEPS,
@@ -23,10 +21,14 @@ from rlscope.rules.base import (
     pooled_corr,
     rolling_median,
 )
+from rlscope.spec import Declarations, Finding, Param
 from rlscope.windows import window_size
 
+#: This layer's findings, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
-@rule(
+
+@DECLARED.rule(
     "entropy-collapse",
     brief=(
         "≥ 50% of entropy lost and either ≥ 75% of the loss within 20% of the steps (a cliff, "
@@ -99,7 +101,7 @@ def entropy_collapse(ctx: RuleContext) -> Iterator[Finding]:
     )
 
 
-@rule(
+@DECLARED.rule(
     "spurious-length-growth",
     brief=(
         "length +20% while within-prompt |r| < 0.05 and pass@1 flat (upper one-sided 90% bound of"
@@ -152,7 +154,7 @@ def spurious_length_growth(ctx: RuleContext) -> Iterator[Finding]:
         )
 
 
-@rule(
+@DECLARED.rule(
     "overthinking",
     brief=(
         "length +10% (z > 2) while within-prompt r ≤ −0.1, significantly, over the second half "
@@ -246,7 +248,7 @@ def _level_rule(
     )
 
 
-@rule(
+@DECLARED.rule(
     "truncation",
     brief="≥ 5% truncated (critical ≥ 20%)",
     layer="L2",
@@ -268,7 +270,7 @@ def truncation(ctx: RuleContext) -> Iterator[Finding]:
     yield from _level_rule(ctx, "behavior.truncation_rate", "rollouts hit the length cap")
 
 
-@rule(
+@DECLARED.rule(
     "tool-cap-saturation",
     brief="≥ 20% at the tool-call cap (critical ≥ 50%)",
     layer="L2",
@@ -289,7 +291,7 @@ def tool_cap_saturation(ctx: RuleContext) -> Iterator[Finding]:
     yield from _level_rule(ctx, "behavior.tool_cap_frac", "rollouts reach the tool-call cap")
 
 
-@rule(
+@DECLARED.rule(
     "tool-call-instability",
     brief="within-prompt std of calls > 0.8× the mean",
     layer="L2",
@@ -331,7 +333,7 @@ def tool_call_instability(ctx: RuleContext) -> Iterator[Finding]:
         )
 
 
-@rule(
+@DECLARED.rule(
     "format-violations",
     brief="≥ 10% of rollouts break the format in the final window (critical ≥ 30%); names examples",
     layer="L2",
@@ -369,7 +371,7 @@ def format_violations(ctx: RuleContext) -> Iterator[Finding]:
     )
 
 
-@rule(
+@DECLARED.rule(
     "repetition",
     brief=(
         "final-window mean 3-gram repetition ≥ 0.2 (critical ≥ 0.4); names the most repetitive "
@@ -406,7 +408,7 @@ def _redundant_examples(rows: pl.DataFrame) -> list[int]:
     return example_ids(rows, pl.col(column) > 0, order=pl.col(column))
 
 
-@rule(
+@DECLARED.rule(
     "redundant-tool-calls",
     brief=(
         "≥ 10% of tool calls repeat an earlier call of the rollout (critical ≥ 30%); names examples"

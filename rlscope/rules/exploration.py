@@ -6,9 +6,11 @@ from collections.abc import Iterator
 
 import polars as pl
 
-from rlscope.registry import Param, rule
-from rlscope.report import Finding
 from rlscope.rules.base import MIN_TREND_STEPS, RuleContext, compare_windows, final_mean, pct
+from rlscope.spec import Declarations, Finding, Param, Severity
+
+#: This layer's findings, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
 
 def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
@@ -33,7 +35,7 @@ def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
     return [int(i) for i in clusters["rollout_id"][0][:8]]
 
 
-@rule(
+@DECLARED.rule(
     "diversity-collapse",
     brief=(
         "within-group diversity of whole trajectories (text with actions and arguments, never "
@@ -94,9 +96,9 @@ def diversity_collapse(ctx: RuleContext) -> Iterator[Finding]:
         return
     modes = ctx.series("exploration.cluster_sizes")
     mode_share = final_mean(modes) if modes is not None and len(modes) else None
-    severity = (
-        "critical" if mode_share is not None and mode_share >= p["critical_mode_share"] else None
-    )
+    severity: Severity | None = None
+    if mode_share is not None and mode_share >= p["critical_mode_share"]:
+        severity = "critical"
     ids = _collapsed_group(ctx, int(series.steps[-1]))
     decline = ctx.results[metric_id].extra.get("decline", {}).get("shape")
     yield ctx.finding(

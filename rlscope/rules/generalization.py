@@ -8,10 +8,12 @@ from collections.abc import Iterator
 import numpy as np
 import polars as pl
 
-from rlscope.registry import Param, rule
-from rlscope.report import Finding
 from rlscope.rules.base import ONE_SIDED_95, RuleContext, column_mean
+from rlscope.spec import Declarations, Finding, Param
 from rlscope.windows import TREND_FRACTION, window_size
+
+#: This layer's findings, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
 
 def _window(frame: pl.DataFrame) -> tuple[float, float]:
@@ -39,7 +41,7 @@ def _accuracy(frame: pl.DataFrame, column: str, counts: str) -> tuple[float, flo
     return float(acc.mean()), math.sqrt(var)
 
 
-@rule(
+@DECLARED.rule(
     "ood-gap",
     brief=(
         "final ID − OOD gap ≥ 0.1 and widened by ≥ 0.05, significantly against binomial and "

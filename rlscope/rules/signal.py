@@ -7,8 +7,6 @@ from collections.abc import Iterator
 
 import polars as pl
 
-from rlscope.registry import Param, rule
-from rlscope.report import Finding
 from rlscope.rules.base import (
     MIN_TREND_STEPS,
     ONE_SIDED_95,
@@ -19,10 +17,14 @@ from rlscope.rules.base import (
     pct,
     share_se,
 )
+from rlscope.spec import Declarations, Finding, Param
 from rlscope.windows import TREND_FRACTION, window_size
 
+#: This layer's findings, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
-@rule(
+
+@DECLARED.rule(
     "dead-prompts",
     brief=(
         "≥ 50% zero-σ groups two standard errors deep (critical when the level is ≥ 80%); too "
@@ -90,7 +92,7 @@ def _final_share(frame: pl.DataFrame, n_steps: int) -> tuple[float, float, int]:
     return level, share_se(level, float(groups.sum()), values), int(window["step"][0])
 
 
-@rule(
+@DECLARED.rule(
     "reward-concentration",
     brief="effective share among prompts with signal < 0.4 (pooled over the final fifth)",
     layer="L3",
@@ -141,7 +143,7 @@ def reward_concentration(ctx: RuleContext) -> Iterator[Finding]:
         )
 
 
-@rule(
+@DECLARED.rule(
     "mode-collapse",
     brief="pass@1 up significantly while pass@k closes < 25% as much of its headroom (or falls)",
     layer="L3",
@@ -191,7 +193,7 @@ def mode_collapse(ctx: RuleContext) -> Iterator[Finding]:
 REWARD_TERMS = "signal.reward.*"
 
 
-@rule(
+@DECLARED.rule(
     "reward-hacking",
     brief=(
         "reward up (z ≥ 2) while pass@1 does not rise (upper one-sided 95% bound < 0.02) or "

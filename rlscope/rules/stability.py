@@ -9,8 +9,6 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from rlscope.registry import RULES, Param, Rule, rule
-from rlscope.report import Finding
 from rlscope.rules.base import (
     MIN_TREND_STEPS,
     RuleContext,
@@ -21,10 +19,14 @@ from rlscope.rules.base import (
     pct,
     rolling_median,
 )
+from rlscope.spec import Declarations, Finding, Param
 from rlscope.windows import window_size
 
+#: This layer's findings, in order (collected by rlscope.catalog).
+DECLARED = Declarations()
 
-@rule(
+
+@DECLARED.rule(
     "kl-stalled",
     brief="KL ~0 at the end and pass@1 not improving",
     layer="L1",
@@ -68,7 +70,7 @@ def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
         )
 
 
-@rule(
+@DECLARED.rule(
     "kl-runaway",
     brief="KL convex: last third ≥ 2.5× the middle third and accelerating",
     layer="L1",
@@ -111,7 +113,7 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
         )
 
 
-@rule(
+@DECLARED.rule(
     "kl-high",
     brief="final-window KL ≥ 0.5 nats/token (critical ≥ 1.0)",
     layer="L1",
@@ -145,7 +147,7 @@ def kl_high(ctx: RuleContext) -> Iterator[Finding]:
         )
 
 
-@rule(
+@DECLARED.rule(
     "grad-spike",
     brief=(
         "grad norm ≥ 4× its rolling median and 6 robust σ above it; names the step's most extreme"
@@ -232,7 +234,16 @@ def _extreme_rollouts(ctx: RuleContext, steps: list[int], top: int = 3) -> dict[
     return out
 
 
-@rule(
+#: entropy-clip-conflict's thresholds (also the defaults of rules that reuse its judgement).
+CONFLICT_PARAMS = {
+    "entropy_max": Param(0.3, "final-window entropy (nats/token) at or below this is low"),
+    "entropy_ratio": Param(0.35, "or final / initial entropy at or below this"),
+    "clip_frac_min": Param(0.1, "final-window clip fraction at or above this is high"),
+    "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+}
+
+
+@DECLARED.rule(
     "entropy-clip-conflict",
     brief=(
         "entropy low (≤ 0.3 nats, or ≤ 35% of its start) while ≥ 10% of tokens are clipped: "
@@ -253,12 +264,7 @@ def _extreme_rollouts(ctx: RuleContext, steps: list[int], top: int = 3) -> dict[
     remedy="lower the learning rate or the number of PPO epochs / mini-batches per batch; "
     "protect high-entropy tokens (Clip-Cov / KL-Cov, clip-higher); add an entropy bonus.",
     metrics=("behavior.entropy", "stability.clip_frac"),
-    params={
-        "entropy_max": Param(0.3, "final-window entropy (nats/token) at or below this is low"),
-        "entropy_ratio": Param(0.35, "or final / initial entropy at or below this"),
-        "clip_frac_min": Param(0.1, "final-window clip fraction at or above this is high"),
-        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
-    },
+    params=CONFLICT_PARAMS,
     severity="critical",
 )
 def entropy_clip_conflict(ctx: RuleContext) -> Iterator[Finding]:
@@ -280,7 +286,7 @@ def _low_entropy_high_clip(ctx: RuleContext) -> tuple[float, float, float, int] 
     the clip fraction high by entropy-clip-conflict's thresholds (its defaults when the calling
     rule has none), else None."""
     entropy, clip = ctx.series("behavior.entropy"), ctx.series("stability.clip_frac")
-    defaults = {k: v.default for k, v in entropy_clip_conflict_rule().params.items()}
+    defaults = {k: v.default for k, v in CONFLICT_PARAMS.items()}
     p = {**defaults, **{k: v for k, v in ctx.params.items() if k in defaults}}
     if entropy is None or clip is None or min(len(entropy), len(clip)) < p["min_steps"]:
         return None
@@ -294,11 +300,7 @@ def _low_entropy_high_clip(ctx: RuleContext) -> tuple[float, float, float, int] 
     return None
 
 
-def entropy_clip_conflict_rule() -> Rule:
-    return RULES["entropy-clip-conflict"]
-
-
-@rule(
+@DECLARED.rule(
     "clip-too-high",
     brief="final-window clip fraction ≥ 15% (critical ≥ 30%), unless entropy-clip-conflict says it",
     layer="L1",
@@ -334,7 +336,7 @@ def clip_too_high(ctx: RuleContext) -> Iterator[Finding]:
     )
 
 
-@rule(
+@DECLARED.rule(
     "clip-too-low",
     brief=(
         "clip fraction < 1e-4 in a run with off-policy updates (PPO KL ≠ 0 or some clipping) and "
@@ -392,7 +394,7 @@ def clip_too_low(ctx: RuleContext) -> Iterator[Finding]:
     )
 
 
-@rule(
+@DECLARED.rule(
     "lr-zero",
     brief="learning rate 0 over the whole final window (critical when 0 at every step)",
     layer="L1",
@@ -432,7 +434,7 @@ def lr_zero(ctx: RuleContext) -> Iterator[Finding]:
     )
 
 
-@rule(
+@DECLARED.rule(
     "divergence",
     brief="critical: a NaN or infinite loss or grad norm at any step; names the steps",
     layer="L1",
@@ -470,7 +472,7 @@ def divergence(ctx: RuleContext) -> Iterator[Finding]:
     )
 
 
-@rule(
+@DECLARED.rule(
     "performance-regression",
     brief="critical: pass@1 (else reward) falls ≥ 0.03 between the first and last tenth, z ≤ −3",
     layer="L1",
@@ -531,7 +533,7 @@ LOGGED_METRICS = (
 )
 
 
-@rule(
+@DECLARED.rule(
     "logged-metric-mismatch",
     brief=(
         "the trainer's logged value (steps table) and rlscope's recomputation differ by > 10% on "

@@ -1,39 +1,53 @@
-"""Metric and Rule declarations and the one registry that holds them (ids are public API)."""
+"""The vocabulary of metrics and findings (Metric, Rule, Finding…); imports nothing of rlscope."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, get_args
 
 import polars as pl
 
-from rlscope.reader import Run
-from rlscope.report import Finding
-from rlscope.text import TextSettings
+#: The six layers of diagnosis (ids are public API).
+Layer = Literal["L1", "L2", "L3", "L4", "L5", "L6"]
+LAYERS: dict[str, str] = {
+    "L1": "Training stability",
+    "L2": "Policy behaviour",
+    "L3": "Learning signal",
+    "L4": "Exploration",
+    "L5": "Generalisation",
+    "L6": "Reasoning quality",
+}
+Severity = Literal["info", "warn", "critical"]
+SEVERITIES: tuple[Severity, ...] = get_args(Severity)
+#: "share": a proportion in [0, 1]; "" otherwise.
+Unit = Literal["", "share"]
+#: Which direction of a metric is healthier; "" when a band (or nothing) says.
+Better = Literal["", "up", "down"]
+#: The tables of format v1 a metric can be computed from.
+Table = Literal["steps", "rollouts", "tokens", "probes"]
 
 #: The aggregation level each table's partials are computed at (one scan per table and level).
 #: steps: one row per step; rollouts: one row per (split, step, prompt_id) group, or with level
 #: "rollout" one row per rollout (elementwise text features, no text kept); tokens: one row per
 #: step (and per step and entropy bin, or per step and segment); probes: one row per probe,
 #: joined with its rollout's step, split and answer.
-TABLE_LEVELS = ("steps", "rollouts", "tokens", "probes")
+TABLE_LEVELS: tuple[Table, ...] = get_args(Table)
+
+#: A metric's series function: (its aggregated frame, the MetricContext) -> a lazy per-step
+#: frame. The context is rlscope.context.MetricContext (typed `Any` here so that this module
+#: stays below it).
+SeriesFn = Callable[[pl.LazyFrame, Any], pl.LazyFrame]
+PartialsFn = Callable[[Any], Mapping[str, pl.Expr]]
+SummaryFn = Callable[[pl.DataFrame, Any], dict[str, Any]]
+#: A family's members for a run (rlscope.reader.Run): one metric per run-specific name.
+FamilyFn = Callable[[Any], list["Metric"]]
 
 
-@dataclass
-class Context:
-    """What a metric's series function may read besides its aggregated frame."""
-
-    run: Run
-    pass_k: int | None = None
-    text: TextSettings = field(default_factory=TextSettings)
-    # The collected partial aggregates, (table, level) -> frame (for metric summaries).
-    aggregates: dict[tuple[str, str], pl.DataFrame] = field(default_factory=dict)
-
-
-SeriesFn = Callable[[pl.LazyFrame, "Context"], pl.LazyFrame]
-PartialsFn = Callable[["Context"], Mapping[str, pl.Expr]]
-SummaryFn = Callable[[pl.DataFrame, "Context"], dict[str, Any]]
+def severity_rank(severity: str) -> int:
+    """0 info, 1 warn, 2 critical; `never` ranks above everything."""
+    ranks: tuple[str, ...] = SEVERITIES
+    return ranks.index(severity) if severity in ranks else len(ranks)
 
 
 def split_column(table: str, column: str) -> tuple[str, str]:
@@ -50,10 +64,11 @@ class Variant:
     """One way of computing a metric from one table.
 
     `partials` are named aggregations at the table's level (merged with every other metric's into
-    one scan; a name means the same expression everywhere), or a function of the Context (run.json,
-    text settings) returning them; `series` turns the aggregated frame into a lazy per-step frame
-    with columns `step`, `value` and any component columns (`extra_<name>` ones are summarised in
-    the JSON). `requires` names columns of `table`, or of another table as `table.column`.
+    one scan; a name means the same expression everywhere), or a function of the MetricContext
+    (run.json, text settings) returning them; `series` turns the aggregated frame into a lazy
+    per-step frame with columns `step`, `value` and any component columns (`extra_<name>` ones
+    are summarised in the JSON). `requires` names columns of `table`, or of another table as
+    `table.column`.
     """
 
     table: str
@@ -73,11 +88,11 @@ class Variant:
     # splitting a response into words, is done once per rollout.
     prelude: Mapping[str, pl.Expr] | PartialsFn = field(default_factory=dict)
 
-    def resolve_partials(self, ctx: Context) -> Mapping[str, pl.Expr]:
+    def resolve_partials(self, ctx: Any) -> Mapping[str, pl.Expr]:
         """The partials, given the run and settings (some depend on run.json or the tags)."""
         return self.partials(ctx) if callable(self.partials) else self.partials
 
-    def resolve_prelude(self, ctx: Context) -> Mapping[str, pl.Expr]:
+    def resolve_prelude(self, ctx: Any) -> Mapping[str, pl.Expr]:
         return self.prelude(ctx) if callable(self.prelude) else self.prelude
 
 
@@ -86,7 +101,7 @@ class Metric:
     """A self-describing metric: id, layer, doc, and the variants that can compute it."""
 
     id: str
-    layer: str
+    layer: Layer
     title: str
     doc: str
     healthy: str
@@ -94,9 +109,9 @@ class Metric:
     # One line for the README's metric table (generated from the catalog: rlscope.docs).
     brief: str = ""
     # "share": a proportion in [0, 1] (checked by the property tests); "" otherwise.
-    unit: str = ""
+    unit: Unit = ""
     # Which direction is better, for status colours and comparisons: "up", "down" or "" (band).
-    better: str = ""
+    better: Better = ""
     references: str = ""
     # Steps-table columns in which trainers log the same quantity (first found is used): when
     # rlscope recomputes the metric from rollouts or tokens, both are shown and compared.
@@ -108,6 +123,13 @@ class Metric:
     # The healthy range of the final-window value, (low, high), None = open: where it is
     # declared, a value outside it is shown as such (a metric with a band has no `better`).
     band: tuple[float | None, float | None] | None = None
+    # A family template (id ending `.*`, e.g. `signal.reward.*`): the function of the run that
+    # returns its members, one metric per run-specific name (e.g. per reward function).
+    members: FamilyFn | None = None
+
+    @property
+    def is_template(self) -> bool:
+        return self.members is not None
 
     def explain(self) -> str:
         lines = [f"{self.id}  ({self.layer}, metric)", "", self.title, "", self.doc, ""]
@@ -169,8 +191,8 @@ class Param:
 
 
 #: A rule's check: takes a rules.base.RuleContext (typed where each rule is defined, so that
-#: the registry stays below the rules) and yields its findings.
-RuleFn = Callable[[Any], Iterator[Finding]]
+#: the vocabulary stays below the rules) and yields its findings.
+RuleFn = Callable[[Any], Iterator["Finding"]]
 
 
 @dataclass(frozen=True)
@@ -178,14 +200,14 @@ class Rule:
     """A diagnosis: reads metric series, yields findings; thresholds are data in `params`."""
 
     id: str
-    layer: str
+    layer: Layer
     title: str
     doc: str
     remedy: str
     metrics: tuple[str, ...]
     params: Mapping[str, Param]
     check: RuleFn
-    severity: str = "warn"
+    severity: Severity = "warn"
     # One line for the README's findings table: when it fires (generated: rlscope.docs).
     brief: str = ""
 
@@ -215,58 +237,114 @@ class Rule:
         }
 
 
-METRICS: dict[str, Metric] = {}
-RULES: dict[str, Rule] = {}
-#: Metric families: a prefix (`signal.reward.`) -> a function of the run returning its members
-#: (one metric per run-specific name, e.g. per reward function), documented by the metric
-#: registered under the prefix + `*`.
-FamilyFn = Callable[[Any], list[Metric]]
-FAMILIES: dict[str, FamilyFn] = {}
+#: Evidence keys with a meaning shared by every finding (the rest are the rule's own numbers).
+SHARED_EVIDENCE = ("metrics", "steps", "rollout_ids", "rollouts")
 
 
-def register_metric(metric: Metric) -> Metric:
-    if metric.id in METRICS:
-        raise ValueError(f"duplicate metric id {metric.id}")
-    METRICS[metric.id] = metric
-    return metric
+@dataclass(frozen=True)
+class Finding:
+    """A diagnosis: what is wrong, how sure, and the evidence behind it.
+
+    `evidence` is the JSON form, in the order the rule gave it: the rule's own numbers plus the
+    shared keys, which are checked when the finding is made (`check_evidence`) and read through
+    the typed properties below, never by key elsewhere."""
+
+    id: str
+    severity: Severity
+    layer: Layer
+    message: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_evidence(self.id, self.evidence)
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The metric ids (or globs) the finding judged."""
+        return tuple(self.evidence.get("metrics") or ())
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """The steps the evidence points at (a window's first and last, or each step named)."""
+        return tuple(int(s) for s in self.evidence.get("steps") or ())
+
+    @property
+    def rollout_ids(self) -> tuple[int, ...]:
+        """The rollouts the evidence names: `rollout_ids`, and those inside `rollouts` (step ->
+        list of {rollout_id, ...}); sorted, unique."""
+        ids = {int(v) for v in self.evidence.get("rollout_ids") or ()}
+        nested: Mapping[Any, Sequence[Mapping[str, Any]]] = self.evidence.get("rollouts") or {}
+        ids.update(int(item["rollout_id"]) for group in nested.values() for item in group)
+        return tuple(sorted(ids))
+
+    def names(self, metric_id: str) -> bool:
+        return metric_id in self.metrics
 
 
-def register_family(template: Metric, members: FamilyFn) -> Metric:
-    """Register a family of per-run metrics: `template.id` ends in `*` and documents them."""
-    if not template.id.endswith(".*"):
-        raise ValueError(f"family id {template.id} must end in .*")
-    FAMILIES[template.id[:-1]] = members
-    return register_metric(template)
+def check_evidence(finding: str, evidence: Mapping[str, Any]) -> None:
+    """The shared evidence keys have their one shape (a TypeError names the finding and key)."""
+
+    def fail(key: str, shape: str) -> None:
+        raise TypeError(f"finding {finding}: evidence {key!r} must be {shape}")
+
+    if not all(isinstance(m, str) for m in evidence.get("metrics") or ()):
+        fail("metrics", "a list of metric ids")
+    for key in ("steps", "rollout_ids"):
+        values = evidence.get(key) or ()
+        if not isinstance(values, list | tuple) or not all(_is_int(v) for v in values):
+            fail(key, "a list of integers")
+    nested = evidence.get("rollouts")
+    if nested is not None and not (
+        isinstance(nested, Mapping)
+        and all(
+            isinstance(group, list | tuple)
+            and all(isinstance(i, Mapping) and _is_int(i.get("rollout_id")) for i in group)
+            for group in nested.values()
+        )
+    ):
+        fail("rollouts", "a mapping of step to lists of {rollout_id, ...}")
 
 
-def family_members(run: Any, template_id: str) -> list[Metric]:
-    """The metrics of the family `template_id` (`signal.reward.*`) this run has (e.g. one per
-    reward function it logs)."""
-    return FAMILIES[template_id[:-1]](run)
+def _is_int(value: Any) -> bool:
+    return hasattr(value, "__index__") and not isinstance(value, bool)
 
 
-def is_template(metric: Metric) -> bool:
-    return metric.id.endswith(".*")
+class Declarations:
+    """The metrics, families and rules one layer module declares, in order: the catalog
+    (rlscope.catalog) collects every layer module's `DECLARED`. Nothing global is mutated."""
 
+    def __init__(self) -> None:
+        self.metrics: list[Metric] = []
+        self.rules: list[Rule] = []
 
-def rule(
-    id: str,
-    *,
-    layer: str,
-    title: str,
-    doc: str,
-    remedy: str,
-    metrics: tuple[str, ...],
-    params: Mapping[str, Param] | None = None,
-    severity: str = "warn",
-    brief: str = "",
-) -> Callable[[RuleFn], RuleFn]:
-    """Register a rule function under a stable id."""
+    def metric(self, metric: Metric) -> Metric:
+        self.metrics.append(metric)
+        return metric
 
-    def wrap(fn: RuleFn) -> RuleFn:
-        if id in RULES:
-            raise ValueError(f"duplicate rule id {id}")
-        RULES[id] = Rule(id, layer, title, doc, remedy, metrics, params or {}, fn, severity, brief)
-        return fn
+    def family(self, template: Metric, members: FamilyFn) -> Metric:
+        """A family of per-run metrics: `template.id` ends in `.*` and documents them."""
+        if not template.id.endswith(".*"):
+            raise ValueError(f"family id {template.id} must end in .*")
+        return self.metric(replace(template, members=members))
 
-    return wrap
+    def rule(
+        self,
+        id: str,
+        *,
+        layer: Layer,
+        title: str,
+        doc: str,
+        remedy: str,
+        metrics: tuple[str, ...],
+        params: Mapping[str, Param] | None = None,
+        severity: Severity = "warn",
+        brief: str = "",
+    ) -> Callable[[RuleFn], RuleFn]:
+        """Declare the decorated function as the check of the rule `id`."""
+
+        def wrap(fn: RuleFn) -> RuleFn:
+            rule = Rule(id, layer, title, doc, remedy, metrics, params or {}, fn, severity, brief)
+            self.rules.append(rule)
+            return fn
+
+        return wrap
