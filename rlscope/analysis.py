@@ -14,7 +14,7 @@ from rlscope.config import Config, load_config
 from rlscope.engine import Computed, compute
 from rlscope.errors import RlscopeError
 from rlscope.evaluation import evaluate
-from rlscope.reader import Run, open_run, scan_error
+from rlscope.reader import Run, open_run
 from rlscope.report import Report, RunInfo
 from rlscope.tokenscan import Mapper
 
@@ -67,11 +67,8 @@ def analyze(
         mapper=mapper,
         catalog=catalog,
     )
-    try:
-        findings, rule_skips, judged = evaluate(computed, run, config, catalog)
-    except (pl.exceptions.PolarsError, OSError) as exc:  # a rule's own scan
-        raise scan_error(run, run.tables, "running the rules", exc) from None
-    run.check_unchanged()  # rules may scan again: still the snapshot taken at open
+    run.check_unchanged()  # what was scanned is still the snapshot taken at open
+    findings, rule_skips, judged = evaluate(computed, config, catalog)
 
     groups = computed.aggregates.get(("rollouts", ""))
     train_groups = groups.filter(pl.col("split") == "train") if groups is not None else None

@@ -7,14 +7,13 @@ from fnmatch import fnmatchcase
 from rlscope.catalog import Catalog, default_catalog
 from rlscope.config import Config
 from rlscope.engine import Computed
-from rlscope.reader import Run
 from rlscope.report import Skipped
 from rlscope.rules.base import RuleContext
 from rlscope.spec import Finding, severity_rank
 
 
 def evaluate(
-    computed: Computed, run: Run, config: Config, catalog: Catalog | None = None
+    computed: Computed, config: Config, catalog: Catalog | None = None
 ) -> tuple[list[Finding], list[Skipped], tuple[str, ...]]:
     """Run every enabled rule of the catalog (rlscope's own by default); a rule whose metrics
     are all missing is reported as skipped. Also returns the metrics some rule judged (read and
@@ -35,7 +34,7 @@ def evaluate(
         }
         severity = override.get("severity")
         ctx = RuleContext(
-            rule, params, severity, computed.results, computed.frames, run, computed.aggregates
+            rule, params, severity, computed.results, computed.frames, computed.aggregates
         )
         findings.extend(rule.check(ctx))
         judged.update(

@@ -392,7 +392,7 @@ def finding_rollouts(
     if config.findings.get(finding, {}).get("enabled", True) is False:
         return None, f"finding `{finding}` is disabled in {config.source}"
     # Only the metrics the rule reads: the same finding as a full analysis, computed faster.
-    report = analyze(path, metrics=rule.metrics, config=config, catalog=catalog)
+    report = analyze(path, metrics=rule.computes, config=config, catalog=catalog)
     fired = [f for f in report.findings if f.id == finding]
     if not fired:
         skipped = [s.reason for s in report.skipped if s.metric == finding]

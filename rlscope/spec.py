@@ -210,11 +210,21 @@ class Rule:
     severity: Severity = "warn"
     # One line for the README's findings table: when it fires (generated: rlscope.docs).
     brief: str = ""
+    # Metrics whose frames only supply the example rollouts a finding names: computed with the
+    # rule, never judged by it (a rule reads computed results only, it never scans the run).
+    examples_from: tuple[str, ...] = ()
+
+    @property
+    def computes(self) -> tuple[str, ...]:
+        """Every metric the rule needs computed: what it judges, then its examples' sources."""
+        return (*self.metrics, *self.examples_from)
 
     def explain(self) -> str:
         lines = [f"{self.id}  ({self.layer}, finding, default severity {self.severity})", ""]
         lines += [self.title, "", self.doc, "", f"What to try: {self.remedy}", ""]
         lines.append(f"Reads: {', '.join(self.metrics)}")
+        if self.examples_from:
+            lines.append(f"Example rollouts from: {', '.join(self.examples_from)}")
         if self.params:
             lines.append(f"Thresholds (override under [findings.{self.id}] in rlscope.toml):")
             for name, param in self.params.items():
@@ -233,6 +243,7 @@ class Rule:
             "doc": self.doc,
             "remedy": self.remedy,
             "reads": list(self.metrics),
+            "examples_from": list(self.examples_from),
             "thresholds": {n: {"default": p.default, "doc": p.doc} for n, p in self.params.items()},
         }
 
@@ -339,11 +350,24 @@ class Declarations:
         params: Mapping[str, Param] | None = None,
         severity: Severity = "warn",
         brief: str = "",
+        examples_from: tuple[str, ...] = (),
     ) -> Callable[[RuleFn], RuleFn]:
         """Declare the decorated function as the check of the rule `id`."""
 
         def wrap(fn: RuleFn) -> RuleFn:
-            rule = Rule(id, layer, title, doc, remedy, metrics, params or {}, fn, severity, brief)
+            rule = Rule(
+                id,
+                layer,
+                title,
+                doc,
+                remedy,
+                metrics,
+                params or {},
+                fn,
+                severity,
+                brief,
+                examples_from,
+            )
             self.rules.append(rule)
             return fn
 

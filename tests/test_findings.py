@@ -63,7 +63,7 @@ def _run(
         text=only is None or _needs_text(only),
         **HEALTHY_SIZES[size],
     )
-    metrics = list(RULES[only].metrics) if only else None
+    metrics = list(RULES[only].computes) if only else None
     return analyze(path, config=Config(), metrics=metrics, use_cache=False)
 
 

@@ -149,3 +149,12 @@ def test_no_global_registry() -> None:
     of another module (the catalog is built from the declarations, frozen)."""
     sources = "".join(p.read_text() for p in PACKAGE.rglob("*.py"))
     assert "register_metric" not in sources and "rlscope.registry" not in sources
+
+
+def test_rules_never_scan_the_run() -> None:
+    """A rule reads computed results only (RuleContext has no run): what it needs, example
+    rollouts included, is a metric or a component, computed in the one scan."""
+    for path in (PACKAGE / "rules").glob("*.py"):
+        text = path.read_text()
+        for scan in (".scan(", "open_run", "ctx.run", "scan_parquet", "read_parquet"):
+            assert scan not in text, f"{path.name}: {scan}"

@@ -123,6 +123,16 @@ def test_eval_metrics(write_run: WriteRun, check_series: CheckSeries) -> None:
     check_series(results["generalization.eval_ood"], out_dist)
     gap = {s: in_dist[s] - out_dist[s] for s in steps}
     check_series(results["generalization.ood_gap"], gap)
+    # The incorrect OOD rollouts ood-gap names: per eval step, each OOD group's smallest.
+    frame = compute(open_run(path)).frames["generalization.ood_gap"].sort("step")
+    for s, listed in zip(frame["step"], frame["failed_examples"].to_list(), strict=True):
+        wrong: dict[str, int] = {}
+        for r in rows:
+            if r["step"] == s and r["split"] == "eval_ood" and r["reward"] <= 0:
+                wrong[r["prompt_id"]] = min(
+                    wrong.get(r["prompt_id"], r["rollout_id"]), r["rollout_id"]
+                )
+        assert listed == sorted(wrong.values())
     trend = results["generalization.ood_gap"].extra["trend"]
     slope = np.polyfit(list(steps), [gap[s] for s in steps], 1)[0] * 100
     assert trend["slope_per_100_steps"] == pytest.approx(slope)
@@ -308,3 +318,7 @@ def test_step_accuracy(write_run: WriteRun, check_series: CheckSeries) -> None:
     for s, value in zip(frame["step"], frame["extra_correct_with_step_errors"], strict=True):
         mask = (step == s) & correct & (checked > 0)
         assert value == pytest.approx((verified[mask] < checked[mask]).mean())
+    # The example step-errors names: one prompt group a step, so its smallest such rollout.
+    for s, listed in zip(frame["step"], frame["step_error_examples"].to_list(), strict=True):
+        failed = np.flatnonzero((step == s) & correct & (checked > 0) & (verified < checked))
+        assert listed == ([int(failed.min())] if failed.size else [])

@@ -203,6 +203,30 @@ def test_group_metrics(write_run: WriteRun, check_series: CheckSeries, mode: str
     assert any(g["reward"].max() == g["reward"].min() for g in big)
 
 
+def test_reward_extremes(write_run: WriteRun) -> None:
+    """signal.reward's `reward_extremes` (the rollouts grad-spike names): per step, up to 3 of the
+    groups' highest and lowest rewards, furthest from the step's mean first; the first is the
+    furthest of all the step's rollouts."""
+    groups = make_groups(2)
+    data = rollouts(groups, correct=False, advantage=False)
+    path = write_run({"rollouts": [data, eval_rows(groups, correct=False, advantage=False)]})
+    frame = compute(open_run(path)).frames["signal.reward"].sort("step")
+    columns = (data["rollout_id"], data["prompt_id"], data["reward"])
+    by_id = {i: (p, r) for i, p, r in zip(*columns, strict=True)}
+    for step, listed in zip(frame["step"], frame["reward_extremes"].to_list(), strict=True):
+        here = [g for g in groups if g["step"] == step]
+        mean = float(np.concatenate([g["reward"] for g in here]).mean())
+        ends = sorted(
+            (abs(v - mean) for g in here for v in {g["reward"].max(), g["reward"].min()}),
+            reverse=True,
+        )
+        got = [abs(item["reward"] - mean) for item in listed]
+        assert got == pytest.approx(ends[:3])
+        assert got[0] == pytest.approx(max(abs(g["reward"] - mean).max() for g in here))
+        for item in listed:  # each names a real train rollout, with its prompt and reward
+            assert by_id[item["rollout_id"]] == (item["prompt_id"], pytest.approx(item["reward"]))
+
+
 # ---------------------------------------------------------------- pass@k
 
 

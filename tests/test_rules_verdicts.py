@@ -31,7 +31,6 @@ def judge(
     rule_id: str,
     series: Mapping[str, Sequence[float]],
     frames: Mapping[str, pl.DataFrame] | None = None,
-    run: object = None,
 ) -> list[Finding]:
     """The rule's findings on these per-step series (steps 1..n), with default params."""
     rule = RULES[rule_id]
@@ -40,7 +39,7 @@ def judge(
     for m, r in results.items():
         frames.setdefault(m, pl.DataFrame({"step": list(r.steps), "value": list(r.values)}))
     params = {k: p.default for k, p in rule.params.items()}
-    ctx = RuleContext(rule, params, None, results, frames, run)  # type: ignore[arg-type]
+    ctx = RuleContext(rule, params, None, results, frames)
     return list(rule.check(ctx))
 
 
@@ -541,7 +540,7 @@ def _probe_frame(kind: str, unchanged: list[bool], fraction: float | None = None
 def _judge_probes(rule_id: str, probes: pl.DataFrame) -> list[Finding]:
     rule = RULES[rule_id]
     params = {k: p.default for k, p in rule.params.items()}
-    ctx = RuleContext(rule, params, None, {}, {}, None, {("probes", ""): probes})  # type: ignore[arg-type]
+    ctx = RuleContext(rule, params, None, {}, {}, {("probes", ""): probes})
     return list(rule.check(ctx))
 
 

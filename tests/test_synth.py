@@ -15,7 +15,8 @@ import polars as pl
 import pytest
 
 from rlscope.schema import TABLES
-from rlscope.synth import EVAL_ID_OFFSET, SCENARIOS, SPIKE_REWARD, generate
+from rlscope.synth import SCENARIOS, generate
+from rlscope.synth.scenarios import EVAL_ID_OFFSET, SPIKE_REWARD
 
 STEPS, PROMPTS, N = 40, 16, 8
 

@@ -25,7 +25,10 @@ from rlscope.tokenscan import (
     TokenPlan,
     file_partials,
     is_additive,
+    limits,
+    mapmerge,
     merge,
+    reduce,
     scan_tokens,
     token_files,
 )
@@ -174,7 +177,7 @@ def test_rollouts_split_across_batches_overcount_within_the_stated_bound(
     tokens = make_tokens(2, range(1, 4), rollouts_per_step=20)
     run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
     exact, _ = scan_tokens(open_run(run), plan_for(run))
-    monkeypatch.setattr(tokenscan, "BATCH_ROWS", 97)
+    monkeypatch.setattr(limits, "BATCH_ROWS", 97)
     batched, _ = scan_tokens(open_run(run), plan_for(run))
     boundaries = tokens["step"].size // 97
     over = batched["segments"]["seg_rollouts"] - exact["segments"]["seg_rollouts"]
@@ -190,7 +193,7 @@ def test_unsorted_rows_take_the_group_by_path_with_the_same_result(
 ) -> None:
     """Sorted rows are reduced run by run of one step (forced here for a small file), shuffled
     ones by a group-by: the same partials."""
-    monkeypatch.setattr(tokenscan, "MIN_STEP_RUN_ROWS", 1)
+    monkeypatch.setattr(limits, "MIN_STEP_RUN_ROWS", 1)
     tokens = make_tokens(3, range(1, 30), rollouts_per_step=1)
     order = np.random.default_rng(0).permutation(tokens["step"].size)
     shuffled = {k: v[order] for k, v in tokens.items()}
@@ -224,9 +227,9 @@ def test_reanalysis_reads_only_the_appended_file(
     run = write_run({"rollouts": rollouts_of(tokens), "tokens": pieces[:3]})
     cache = tmp_path / "cache"
     read: list[str] = []
-    original = tokenscan._batches
+    original = mapmerge._batches
     monkeypatch.setattr(
-        tokenscan, "_batches", lambda file: (read.append(file.path.name), original(file))[1]
+        mapmerge, "_batches", lambda file: (read.append(file.path.name), original(file))[1]
     )
 
     first = compute(open_run(run), cache=PartialCache(cache))
@@ -303,7 +306,7 @@ def test_map_merge_on_another_executor_gives_the_same_report(
 ) -> None:
     """The per-file stage in separate processes (what Ray or Dask would run on workers), the
     merge on the driver: the same metrics as the default in-process scan."""
-    monkeypatch.setattr(tokenscan, "CHUNK_BYTES", 1)  # a chunk per file: five tasks
+    monkeypatch.setattr(limits, "CHUNK_BYTES", 1)  # a chunk per file: five tasks
     tokens = make_tokens(9, range(1, 9))
     run = write_run(
         {"rollouts": rollouts_of(tokens), "tokens": split(tokens, at_rollout_boundaries(tokens, 5))}
@@ -331,7 +334,7 @@ def test_runs_of_one_rollout_and_segment_give_the_group_by_partials(
     """One step's sorted rows get their segments and ids levels from runs of one (rollout,
     segment) (a row per run), shuffled rows from a group-by per row: the same partials, with
     null segments, NaN entropies and segments interleaved within a rollout."""
-    monkeypatch.setattr(tokenscan, "MIN_STEP_RUN_ROWS", 1)
+    monkeypatch.setattr(limits, "MIN_STEP_RUN_ROWS", 1)
     tokens = make_tokens(5, range(1, 9), rollouts_per_step=4)
     n = tokens["step"].size
     rng = np.random.default_rng(5)
@@ -374,11 +377,11 @@ def test_the_built_in_segment_partials_are_reduced_from_runs(write_run: WriteRun
     plan = plan_for(run)
     (file,) = token_files(opened, plan)
     frame = pl.read_parquet(file.path, columns=list(file.target)).filter(pl.col("step") == 1)
-    assert set(tokenscan._run_levels(frame, plan)) == {"segments", "ids"}
+    assert set(reduce._run_levels(frame, plan)) == {"segments", "ids"}
     # A null rollout_id, or a partial of another shape, is left to the group-by.
-    assert tokenscan._run_levels(frame.with_columns(rollout_id=None), plan) == {}
+    assert reduce._run_levels(frame.with_columns(rollout_id=None), plan) == {}
     odd = TokenPlan({"segments": {"top": pl.col("entropy").max().cast(pl.Float64).sum()}})
-    assert tokenscan._run_levels(frame, odd) == {}
+    assert reduce._run_levels(frame, odd) == {}
 
 
 def test_finite_values_whose_float32_sum_overflows_are_not_flagged(write_run: WriteRun) -> None:
@@ -398,11 +401,11 @@ def test_finite_values_whose_float32_sum_overflows_are_not_flagged(write_run: Wr
 
 def test_a_file_is_read_in_even_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """250 rows at BATCH_ROWS = 100: three batches of about 83, not 100, 100 and 50."""
-    monkeypatch.setattr(tokenscan, "BATCH_ROWS", 100)
+    monkeypatch.setattr(limits, "BATCH_ROWS", 100)
     path = tmp_path / "tokens.parquet"
     pl.DataFrame({"step": np.arange(250)}).write_parquet(path)
     file = tokenscan.TokenFile(path, {"step": pl.Int64}, {"step": pl.Int64}, {}, (0, 0, 0))
-    sizes = [batch.height for batch in tokenscan._batches(file)]
+    sizes = [batch.height for batch in reduce._batches(file)]
     assert sum(sizes) == 250 and len(sizes) == 3
     assert max(sizes) - min(sizes) <= 2
 
@@ -412,7 +415,7 @@ def test_a_step_in_two_runs_of_one_file_is_one_row(
 ) -> None:
     """Rows of steps 1, 2, then 1 again in one file (three runs of one step): every level has
     one row per key, as the group-by path gives."""
-    monkeypatch.setattr(tokenscan, "MIN_STEP_RUN_ROWS", 1)
+    monkeypatch.setattr(limits, "MIN_STEP_RUN_ROWS", 1)
     first, second = make_tokens(8, range(1, 3)), make_tokens(9, range(1, 2))
     second["rollout_id"] = second["rollout_id"] + first["rollout_id"].max() + 1
     tokens = {k: np.concatenate([first[k], second[k]]) for k in first}
@@ -434,7 +437,7 @@ def test_many_small_files_in_one_chunk_give_the_one_file_partials(
     """A live run written in small flushes: 120 files (one with NaN flags, most without) in one
     chunk of work, their partials collected in slices (COLLECT_SLICE forced small): each file's
     partials are its own, and merged they equal the one-file scan."""
-    monkeypatch.setattr(tokenscan, "COLLECT_SLICE", 5)
+    monkeypatch.setattr(limits, "COLLECT_SLICE", 5)
     tokens = make_tokens(10, range(1, 21), rollouts_per_step=6)
     tokens["entropy"] = np.nan_to_num(tokens["entropy"], nan=0.5)
     tokens["entropy"][7] = np.nan  # in the first file only

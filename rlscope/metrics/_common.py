@@ -25,6 +25,19 @@ def train(frame: pl.LazyFrame) -> pl.LazyFrame:
     return frame.filter(pl.col("split") == "train")
 
 
+def example_partial(name: str, where: pl.Expr) -> tuple[str, pl.Expr]:
+    """A rollouts group partial: the smallest id of the group's rollouts matching `where` (null
+    when none). Per step, `examples(name)` gathers them: the rollouts a finding names as
+    evidence come out of the one scan, not a second one."""
+    return name, pl.col("rollout_id").filter(where.fill_null(False)).min()
+
+
+def examples(name: str) -> pl.Expr:
+    """Per step (in a group_by("step").agg), the example ids of `example_partial(name, …)`,
+    sorted: one per group that has one."""
+    return pl.col(name).drop_nulls().sort().alias(name)
+
+
 def step_sums(frame: pl.LazyFrame, names: list[str], *, groups: bool = False) -> pl.LazyFrame:
     """Sum partial columns per step (train groups only, for the rollouts level)."""
     if groups:

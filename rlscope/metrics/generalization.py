@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 
 from rlscope.context import MetricContext
-from rlscope.metrics._common import custom, f64, safe_div
+from rlscope.metrics._common import custom, example_partial, examples, f64, safe_div
 from rlscope.metrics.behavior import N_CORRECT, N
 from rlscope.spec import Declarations, Metric
 
@@ -41,10 +41,15 @@ def _accuracy(split: str):
     return series
 
 
+#: Per eval step, an incorrect OOD rollout from each OOD group that has one (ood-gap names them).
+FAILED_OOD_EXAMPLES = "failed_examples"
+
+
 def _gap(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     in_dist = eval_accuracy(frame, ID_SPLIT).rename({"value": "id", "rollouts": "n_id"})
     out_dist = eval_accuracy(frame, OOD_SPLIT).rename({"value": "ood", "rollouts": "n_ood"})
-    both = in_dist.join(out_dist, on="step", how="inner")
+    failed = frame.filter(_split(OOD_SPLIT)).group_by("step").agg(examples(FAILED_OOD_EXAMPLES))
+    both = in_dist.join(out_dist, on="step", how="inner").join(failed, on="step", how="left")
     return both.select(
         "step",
         (pl.col("id") - pl.col("ood")).alias("value"),
@@ -52,6 +57,7 @@ def _gap(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         pl.col("ood").alias("extra_ood"),
         "n_id",
         "n_ood",
+        FAILED_OOD_EXAMPLES,
     )
 
 
@@ -141,7 +147,7 @@ DECLARED.metric(
                 "rollouts",
                 ("split", "correct"),
                 _gap,
-                _PARTIALS,
+                {**_PARTIALS, **dict([example_partial(FAILED_OOD_EXAMPLES, ~pl.col("correct"))])},
                 empty_reason="needs eval_id and eval_ood rollouts at the same steps",
             ),
         ),

@@ -8,7 +8,14 @@ import polars as pl
 
 from rlscope import text
 from rlscope.context import MetricContext
-from rlscope.metrics._common import custom, f64, safe_div, step_sums, train
+from rlscope.metrics._common import (
+    custom,
+    example_partial,
+    examples,
+    f64,
+    safe_div,
+    train,
+)
 from rlscope.spec import Better, Declarations, Metric, Variant
 
 #: This layer's metrics, in order (collected by rlscope.catalog).
@@ -362,9 +369,18 @@ DECLARED.metric(
 )
 
 
+#: Per step, a correct rollout with a failed step from each group that has one (step-errors
+#: names them).
+STEP_ERROR_EXAMPLES = "step_error_examples"
+
+
 def _step_accuracy(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     names = ["checked", "verified", "correct_checked", "correct_step_errors"]
-    sums = step_sums(frame, names, groups=True)
+    sums = (
+        train(frame)
+        .group_by("step")
+        .agg(*(pl.col(n).sum() for n in names), examples(STEP_ERROR_EXAMPLES))
+    )
     return sums.select(
         "step",
         safe_div(f64("verified"), f64("checked")).alias("value"),
@@ -373,12 +389,14 @@ def _step_accuracy(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         ),
         "correct_checked",
         "correct_step_errors",
+        STEP_ERROR_EXAMPLES,
     )
 
 
 _checked = pl.col("steps_checked").cast(pl.Int64)
 _verified = pl.col("steps_verified").cast(pl.Int64)
 _has_checks = (_checked > 0).fill_null(False)
+_step_error = pl.col("correct") & _has_checks & (_verified < _checked).fill_null(False)
 
 DECLARED.metric(
     Metric(
@@ -404,11 +422,8 @@ DECLARED.metric(
                     "checked": _checked.sum(),
                     "verified": _verified.sum(),
                     "correct_checked": (pl.col("correct") & _has_checks).cast(pl.Int64).sum(),
-                    "correct_step_errors": (
-                        pl.col("correct") & _has_checks & (_verified < _checked).fill_null(False)
-                    )
-                    .cast(pl.Int64)
-                    .sum(),
+                    "correct_step_errors": _step_error.cast(pl.Int64).sum(),
+                    **dict([example_partial(STEP_ERROR_EXAMPLES, _step_error)]),
                 },
                 empty_reason="no train rollout with steps_checked > 0",
             ),

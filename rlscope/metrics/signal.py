@@ -35,6 +35,44 @@ W_GRPO = ("w_grpo", ((_r - _r.mean()).abs().sum() / (_r.std(ddof=1) + 1e-6)).fil
 HARD_BELOW = 1 / 3
 EASY_ABOVE = 2 / 3
 
+#: Per step, the train rollouts of extreme reward ({rollout_id, prompt_id, reward}, furthest from
+#: the step's mean first, at most 3): each group's highest and lowest are the candidates, so
+#: the furthest one is exact. grad-spike names them (a spike usually comes from one rollout).
+REWARD_EXTREMES = "reward_extremes"
+EXTREMES_KEPT = 3
+_EXTREME_IDS = {
+    "r_max_id": pl.col("rollout_id")
+    .sort_by(f64("reward"), descending=True, nulls_last=True)
+    .first(),
+    "r_min_id": pl.col("rollout_id").sort_by(f64("reward"), nulls_last=True).first(),
+}
+
+
+def _mean_reward(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+    groups = train(frame)
+    sums = groups.group_by("step").agg(pl.col("r_sum", "n").sum())
+    mean = sums.select("step", safe_div(pl.col("r_sum"), pl.col("n")).alias("value"))
+    candidates = pl.concat(
+        [
+            groups.select("step", "prompt_id", rollout_id=f"r_{end}_id", reward=f"r_{end}")
+            for end in ("max", "min")
+        ]
+    ).unique(["step", "rollout_id"])
+    extreme = pl.struct("rollout_id", "prompt_id", "reward")
+    distance = (pl.col("reward") - pl.col("value")).abs()
+    extremes = (
+        candidates.drop_nulls("reward")
+        .join(mean, on="step")
+        .group_by("step")
+        .agg(
+            extreme.sort_by(distance, pl.col("rollout_id"), descending=[True, False])
+            .head(EXTREMES_KEPT)
+            .alias(REWARD_EXTREMES)
+        )
+    )
+    return mean.join(extremes, on="step", how="left")
+
+
 DECLARED.metric(
     Metric(
         id="signal.reward",
@@ -47,7 +85,12 @@ DECLARED.metric(
         healthy="rising, then plateauing",
         better="up",
         variants=(
-            ratio_variant("rollouts", ("reward",), R_SUM, N),
+            custom(
+                "rollouts",
+                ("reward",),
+                _mean_reward,
+                dict([R_SUM, N, R_MAX, R_MIN], **_EXTREME_IDS),
+            ),
             # Runs with step metrics only: the trainer's mean reward, as logged.
             step_column("reward", source="steps.reward as logged (mean sequence reward)"),
             step_column("critic/score/mean", source="steps.critic/score/mean as logged (verl)"),

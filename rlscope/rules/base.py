@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from rlscope.reader import Run
 from rlscope.report import MetricResult
 from rlscope.spec import Finding, Rule, Severity
 from rlscope.windows import TREND_FRACTION, window_size
@@ -115,7 +114,9 @@ def rolling_median(values: np.ndarray, window: int) -> np.ndarray:
 
 
 class RuleContext:
-    """The metric results, per-step frames and run a rule reads, with its resolved params."""
+    """What a rule reads, with its resolved params: computed results, their per-step frames and
+    the partial aggregates. Never the run itself: a rule does not scan (what it needs is a
+    metric or a metric's component, computed in the one scan)."""
 
     def __init__(
         self,
@@ -124,7 +125,6 @@ class RuleContext:
         severity_override: Severity | None,
         results: Mapping[str, MetricResult],
         frames: Mapping[str, pl.DataFrame],
-        run: Run,
         aggregates: Mapping[tuple[str, str], pl.DataFrame] | None = None,
     ) -> None:
         self.rule = rule
@@ -132,7 +132,6 @@ class RuleContext:
         self.severity_override = severity_override
         self.results = results
         self.frames = frames
-        self.run = run
         self.aggregates = aggregates or {}
 
     def series(self, metric_id: str) -> Series | None:
@@ -184,6 +183,19 @@ def example_ids(
     else:
         matching = matching.sort("step", "rollout_id", descending=[True, False])
     return [int(v) for v in matching["rollout_id"].head(n).to_list()]
+
+
+def listed_examples(frame: pl.DataFrame, column: str, n: int = 5) -> list[int]:
+    """Up to `n` example rollout ids from a per-step list column of a metric's frame (see
+    metrics._common.examples), the latest steps first."""
+    if column not in frame.columns:
+        return []
+    ids: list[int] = []
+    for listed in frame.sort("step", descending=True)[column].to_list():
+        ids.extend(int(i) for i in listed or () if i is not None)
+        if len(ids) >= n:
+            break
+    return ids[:n]
 
 
 def final_steps(series: Series) -> int:

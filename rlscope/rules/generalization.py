@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import numpy as np
 import polars as pl
 
-from rlscope.rules.base import ONE_SIDED_95, RuleContext, column_mean
+from rlscope.metrics.generalization import FAILED_OOD_EXAMPLES
+from rlscope.rules.base import ONE_SIDED_95, RuleContext, column_mean, listed_examples
 from rlscope.spec import Declarations, Finding, Param
 from rlscope.windows import TREND_FRACTION, window_size
 
@@ -112,33 +113,5 @@ def ood_gap(ctx: RuleContext) -> Iterator[Finding]:
         ood_trend=trend,
         z=z,
         steps=[int(steps[0]), int(steps[-1])],
-        rollout_ids=_failed_ood(ctx, int(steps[-1])),
+        rollout_ids=listed_examples(frame.tail(1), FAILED_OOD_EXAMPLES),
     )
-
-
-def _failed_ood(ctx: RuleContext, step: int) -> list[int]:
-    """Incorrect OOD eval rollouts of the last eval step: from the per-rollout rows when a
-    metric computed them, else a small scan of a few columns."""
-    rows = ctx.rollout_rows()
-    if rows is not None and "correct" in rows.columns:
-        chosen = rows.filter(
-            (pl.col("step") == step)
-            & pl.col("split").str.starts_with("eval_ood")
-            & ~pl.col("correct")
-        )
-        return [int(i) for i in chosen["rollout_id"].sort().head(5).to_list()]
-    if ctx.run is None:
-        return []
-    frame = (
-        ctx.run.scan("rollouts")
-        .filter(
-            (pl.col("step") == step)
-            & (pl.col("split").str.starts_with("eval_ood"))
-            & ~pl.col("correct")
-        )
-        .select("rollout_id")
-        .sort("rollout_id")
-        .head(5)
-        .collect()
-    )
-    return [int(i) for i in frame["rollout_id"].to_list()]

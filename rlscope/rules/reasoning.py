@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import polars as pl
 
+from rlscope.metrics.reasoning import GROUP, STEP_ERROR_EXAMPLES, majority_vote
 from rlscope.rules.base import (
     ONE_SIDED_95,
     RuleContext,
@@ -13,6 +14,7 @@ from rlscope.rules.base import (
     example_ids,
     final_mean,
     level_severity,
+    listed_examples,
     pct,
     share_se,
     step_span,
@@ -296,8 +298,6 @@ def self_consistency_headroom(ctx: RuleContext) -> Iterator[Finding]:
 
 def _plurality_group(ctx: RuleContext, first: int) -> list[int]:
     """The rollouts of the latest mostly-wrong group whose plurality answer was right."""
-    from rlscope.metrics.reasoning import GROUP, majority_vote
-
     rows = ctx.rollout_rows()
     if rows is None or "answer_key" not in rows.columns:
         return []
@@ -362,23 +362,5 @@ def step_errors(ctx: RuleContext) -> Iterator[Finding]:
         share=share,
         step_accuracy=accuracy,
         steps=[first, int(steps[-1])],
-        rollout_ids=_step_error_examples(ctx, first),
+        rollout_ids=listed_examples(window, STEP_ERROR_EXAMPLES),
     )
-
-
-def _step_error_examples(ctx: RuleContext, first: int) -> list[int]:
-    """Correct rollouts with a failed step, from the rollouts table (few columns, one pass)."""
-    frame = (
-        ctx.run.scan("rollouts")
-        .filter(
-            (pl.col("step") >= first)
-            & (pl.col("split") == "train")
-            & pl.col("correct")
-            & (pl.col("steps_verified") < pl.col("steps_checked"))
-        )
-        .select("rollout_id", "step")
-        .sort("step", "rollout_id", descending=[True, False])
-        .head(5)
-        .collect()
-    )
-    return [int(i) for i in frame["rollout_id"].to_list()]

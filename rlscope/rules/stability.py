@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from rlscope.metrics.signal import REWARD_EXTREMES
 from rlscope.rules.base import (
     MIN_TREND_STEPS,
     RuleContext,
@@ -159,11 +160,14 @@ def kl_high(ctx: RuleContext) -> Iterator[Finding]:
     "rolling median and `robust_z` robust standard deviations above it in log space (median and "
     "MAD over a centred window of ~10% of the run). In sparse-reward runs a spike usually comes "
     "from one rollout of extreme reward (seed §6); each spike lists the step's rollouts furthest "
-    "from the step's mean reward. Multiplicative and robust (median/MAD in log space) so it "
-    "holds at any gradient scale; the window is a share of the run, so at any run length.",
+    "from the step's mean reward (among each prompt group's highest and lowest, so the furthest "
+    "is exact; from signal.reward's components, not a second scan). Multiplicative and robust "
+    "(median/MAD in log space) so it holds at any gradient scale; the window is a share of the "
+    "run, so at any run length.",
     remedy="inspect the listed rollouts (reward bug, parser edge case, hacked reward); clip "
     "rewards or advantages; lower the learning rate or tighten gradient clipping.",
     metrics=("stability.grad_norm",),
+    examples_from=("signal.reward",),
     params={
         "ratio": Param(4.0, "spike = grad norm at least this many times the rolling median"),
         "robust_z": Param(6.0, "and this many robust sigmas above it (log space)"),
@@ -207,31 +211,18 @@ def grad_spike(ctx: RuleContext) -> Iterator[Finding]:
     )
 
 
-def _extreme_rollouts(ctx: RuleContext, steps: list[int], top: int = 3) -> dict[int, list]:
-    """For each step, the train rollouts whose reward is furthest from the step's mean."""
-    if not steps:
+def _extreme_rollouts(ctx: RuleContext, steps: list[int]) -> dict[int, list[dict[str, Any]]]:
+    """For each step, the train rollouts of extreme reward, furthest from the step's mean first
+    (signal.reward's `reward_extremes`, computed in the one scan)."""
+    frame = ctx.frame("signal.reward")
+    if frame is None or REWARD_EXTREMES not in frame.columns:
         return {}
-    reward = pl.col("reward").cast(pl.Float64)
-    frame = (
-        ctx.run.scan("rollouts")
-        .filter(pl.col("step").is_in(steps) & (pl.col("split") == "train"))
-        .select("step", "rollout_id", "prompt_id", reward)
-        .with_columns((reward - reward.mean().over("step")).abs().alias("distance"))
-        .sort(["step", "distance"], descending=[False, True])
-        .group_by("step", maintain_order=True)
-        .head(top)
-        .collect()
-    )
-    out: dict[int, list] = {}
-    for row in frame.iter_rows(named=True):
-        out.setdefault(int(row["step"]), []).append(
-            {
-                "rollout_id": row["rollout_id"],
-                "prompt_id": row["prompt_id"],
-                "reward": row["reward"],
-            }
-        )
-    return out
+    rows = frame.filter(pl.col("step").is_in(steps)).sort("step")
+    return {
+        int(row["step"]): row[REWARD_EXTREMES]
+        for row in rows.select("step", REWARD_EXTREMES).to_dicts()
+        if row[REWARD_EXTREMES]
+    }
 
 
 #: entropy-clip-conflict's thresholds (also the defaults of rules that reuse its judgement).

@@ -1,0 +1,74 @@
+"""One read per token file: every token-level partial, cached per file, merged by summation.
+
+The token table is most of a run's bytes (a row per generated token), so it is read by this
+module alone, one file at a time and once per `analyze`: each file (in batches of row groups)
+is reduced to small per-step partial aggregates — the per-step sums, the per-(step, entropy
+bin) histogram, the per-(step, segment) sums and the per-(step, rollout_id) token counts that
+find tokens without a rollout — which are all sums, so merging files (or batches, or machines)
+is a group-by-sum. A batch sorted by step is reduced step by step without hashing rows, and the
+segment and rollout levels from the runs of rows of one (rollout, segment), a row per run. That
+makes three things cheap:
+
+* memory: a batch of at most `BATCH_ROWS` rows is in memory at a time (per worker), whatever the
+  run's size; what is kept is per step, never per token;
+* re-analysis: each file's partials are cached in the user cache dir (one pack per run and
+  plan), keyed by the file's path, size, mtime and inode, so re-analysing a growing run reads
+  only the files that are new since the last time;
+* scaling out: `chunk_partials` is a pure function of (files, plan), so any map over chunks of
+  files (a process pool, Ray, Dask) can run it, with `merge` on the driver (README "Scaling
+  out").
+"""
+
+from __future__ import annotations
+
+from rlscope.tokenscan.mapmerge import (
+    Mapper,
+    PartialStore,
+    chunk_partials,
+    chunks,
+    file_partials,
+    merge,
+    scan_tokens,
+    value_columns,
+)
+from rlscope.tokenscan.plan import (
+    BIN_COUNT,
+    ENTROPY_BIN_OFFSET,
+    ENTROPY_BINS_PER_EFOLD,
+    FILE_ID,
+    LEVEL_KEYS,
+    ROWS,
+    ScanStats,
+    TokenFile,
+    TokenPlan,
+    entropy_bin_midpoint,
+    entropy_bins,
+    is_additive,
+    token_files,
+)
+from rlscope.tokenscan.reduce import collect_all
+
+__all__ = [
+    "BIN_COUNT",
+    "ENTROPY_BINS_PER_EFOLD",
+    "ENTROPY_BIN_OFFSET",
+    "FILE_ID",
+    "LEVEL_KEYS",
+    "ROWS",
+    "Mapper",
+    "PartialStore",
+    "ScanStats",
+    "TokenFile",
+    "TokenPlan",
+    "chunk_partials",
+    "chunks",
+    "collect_all",
+    "entropy_bin_midpoint",
+    "entropy_bins",
+    "file_partials",
+    "is_additive",
+    "merge",
+    "scan_tokens",
+    "token_files",
+    "value_columns",
+]

@@ -1,0 +1,250 @@
+"""The map over chunks of token files, the merge by summation, the cache, and scan_tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Protocol
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from rlscope.reader import INVALID_PREFIX, Run
+from rlscope.tokenscan import limits
+from rlscope.tokenscan.plan import (
+    _KEY_TYPES,
+    FILE,
+    LEVEL_KEYS,
+    ROWS,
+    ScanStats,
+    TokenFile,
+    TokenPlan,
+    token_files,
+)
+from rlscope.tokenscan.reduce import (
+    _batches,
+    _collect,
+    _conformed,
+    _grouped_levels,
+    _reduce_rows,
+    collect_all,
+)
+
+
+def chunks(files: list[TokenFile]) -> list[list[TokenFile]]:
+    """Consecutive files grouped up to CHUNK_BYTES each: the unit of work of the map stage."""
+    out: list[list[TokenFile]] = []
+    size = 0
+    for file in files:
+        if not out or size + file.stat[0] > limits.CHUNK_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(file)
+        size += file.stat[0]
+    return out
+
+
+def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl.DataFrame]]:
+    """The map stage: each file of a chunk reduced to every level's partials (a frame per
+    level, keyed by LEVEL_KEYS). Batches of small files are reduced together, keyed by file
+    too, so many small files cost about what one large one does. Pure: depends on the files'
+    contents and the plan only."""
+    parts: list[dict[str, list[pl.DataFrame]]] = [{lv: [] for lv in plan.levels} for _ in files]
+    pending: list[tuple[int, pl.DataFrame]] = []
+    pending_rows = 0
+
+    def reduce_pending() -> None:
+        nonlocal pending_rows
+        if len(pending) == 1:
+            index, frame = pending[0]
+            for level, result in _reduce_rows(frame, plan).items():
+                parts[index][level].append(result)
+        else:
+            rows = _tagged(pending)  # flag columns only where a file has NaN/inf
+            levels = _collect([_grouped_levels(rows, plan, [FILE, "step"])])
+            for level, result in levels.items():
+                for (index,), piece in result.partition_by(FILE, as_dict=True).items():
+                    parts[int(index)][level].append(piece.drop(FILE))
+        pending.clear()
+        pending_rows = 0
+
+    for index, file in enumerate(files):
+        for batch in _batches(file):
+            # A batch large enough for the run-by-run path is reduced alone; small ones (of
+            # small files) are pooled up to BATCH_ROWS.
+            alone = batch.height >= limits.MIN_STEP_RUN_ROWS
+            if alone and pending:
+                reduce_pending()
+            pending.append((index, _conformed(batch, file, plan)))
+            pending_rows += batch.height
+            if alone or pending_rows >= limits.BATCH_ROWS:
+                reduce_pending()
+    if pending:
+        reduce_pending()
+    return _summed(parts, plan)
+
+
+def file_partials(file: TokenFile, plan: TokenPlan) -> dict[str, pl.DataFrame]:
+    """The map stage for one file (see `chunk_partials`)."""
+    return chunk_partials([file], plan)[0]
+
+
+def merge(
+    partials: Iterable[Mapping[str, pl.DataFrame]], plan: TokenPlan
+) -> dict[str, pl.DataFrame]:
+    """The reduce stage: files' (or workers') partials summed per key. Associative and
+    commutative, so any grouping of files gives the same frames (up to float rounding)."""
+    parts: dict[str, list[pl.DataFrame]] = {level: [] for level in plan.levels}
+    for one in partials:
+        for level in plan.levels:
+            parts[level].append(one[level])
+    return _summed([parts], plan)[0]
+
+
+def value_columns(level: str, plan: TokenPlan) -> list[str]:
+    if level == "ids":
+        return ["len"]
+    names = list(plan.partials.get(level, {}))
+    if level == "":
+        names = [ROWS, *(INVALID_PREFIX + c for c in plan.count_invalid), *names]
+    return names
+
+
+def _summed(
+    parts: Sequence[Mapping[str, list[pl.DataFrame]]], plan: TokenPlan
+) -> list[dict[str, pl.DataFrame]]:
+    """Each element's frames (a file's, or every file's) summed per key of their level, sorted
+    by key. One query per level, tagged by element, whatever the number of elements: a chunk of
+    thousands of small files costs a few group-bys, not a query per file."""
+    queries = []
+    for level in plan.levels:
+        keys = LEVEL_KEYS[level]
+        values = value_columns(level, plan)
+        frames = [(index, f) for index, one in enumerate(parts) for f in one[level] if f.height]
+        if not frames:
+            schema = {FILE: pl.Int32} | {k: _KEY_TYPES[k] for k in keys}
+            queries.append(pl.LazyFrame(schema=schema | {v: pl.Float64 for v in values}))
+            continue
+        # Concatenated eagerly (cheap for small frames), then widened in one select: a lazy
+        # select per frame would cost more to plan than to run. Keys are unified first (a
+        # categorical segment in one file, an enum in another have no common type).
+        rows = _tagged([(index, _key_typed(f, keys)) for index, f in frames])
+        queries.append(
+            rows.lazy()
+            .select(
+                FILE,
+                *keys,
+                *(_widen(v, rows.schema[v]) for v in values),
+            )
+            .group_by(FILE, *keys)
+            .agg(pl.col(v).sum() for v in values)
+            .sort(FILE, *keys, nulls_last=True)
+        )
+    summed: list[dict[str, pl.DataFrame]] = [{} for _ in parts]
+    for level, frame in zip(plan.levels, collect_all(queries), strict=True):
+        pieces = frame.partition_by(FILE, as_dict=True, include_key=False, maintain_order=True)
+        empty = frame.clear().drop(FILE)
+        for index, one in enumerate(summed):
+            one[level] = pieces.get((index,), empty)
+    return summed
+
+
+def _tagged(frames: list[tuple[int, pl.DataFrame]]) -> pl.DataFrame:
+    """(index, frame) pairs as one frame (a column missing from a frame is null there), each
+    row tagged in FILE with its frame's index."""
+    rows = pl.concat([f for _, f in frames], how="diagonal_relaxed")
+    index = np.repeat([i for i, _ in frames], [f.height for _, f in frames])
+    return rows.with_columns(pl.Series(FILE, index, pl.Int32))
+
+
+def _key_typed(frame: pl.DataFrame, keys: tuple[str, ...]) -> pl.DataFrame:
+    odd = [k for k in keys if frame.schema[k] != _KEY_TYPES[k]]
+    return frame.with_columns(pl.col(k).cast(_KEY_TYPES[k]) for k in odd) if odd else frame
+
+
+def _widen(name: str, dtype: pl.DataType) -> pl.Expr:
+    """Partials are summed as Int64 (counts) or Float64 (sums): no overflow, no float32 drift."""
+    if dtype.is_integer() or dtype == pl.Boolean:
+        return pl.col(name).cast(pl.Int64)
+    return pl.col(name).cast(pl.Float64)
+
+
+class PartialStore(Protocol):
+    """Where file partials are kept between analyses (rlscope.cache.PartialCache): `load` says
+    which files it holds and leaves their merged partials in `loaded`; `store` adds new ones."""
+
+    loaded: dict[str, pl.DataFrame]
+
+    def load(
+        self, run: Run, files: list[TokenFile], plan: TokenPlan, fingerprint: str
+    ) -> list[bool]: ...
+
+    def store(
+        self,
+        run: Run,
+        fingerprint: str,
+        new: list[tuple[TokenFile, Mapping[str, pl.DataFrame]]],
+        plan: TokenPlan,
+    ) -> None: ...
+
+
+#: Any `map`: the builtin, `Executor.map`, or a distributed engine's map over the chunks of
+#: files (Ray, Dask; README "Scaling out"). It must return one result per chunk, in order.
+Mapper = Callable[[Callable[[list[TokenFile]], list[dict[str, pl.DataFrame]]], list], Iterable]
+
+
+def scan_tokens(
+    run: Run,
+    plan: TokenPlan,
+    *,
+    cache: PartialStore | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    mapper: Mapper | None = None,
+) -> tuple[dict[str, pl.DataFrame], ScanStats]:
+    """Every level of the plan over the run's token files: cached partials where a file is
+    unchanged, `chunk_partials` of the others (mapped by `mapper`, by default over WORKERS
+    threads), merged; then the run's step range applied."""
+    files = token_files(run, plan)
+    fingerprint = plan.fingerprint(run.tables["tokens"].schema)
+    cached = (
+        cache.load(run, files, plan, fingerprint) if cache is not None else [False] * len(files)
+    )
+    todo = chunks([f for f, hit in zip(files, cached, strict=True) if not hit])
+    results: list[Mapping[str, pl.DataFrame]] = [cache.loaded] if cache and cache.loaded else []
+    new: list[tuple[TokenFile, Mapping[str, pl.DataFrame]]] = []
+    done, rows_read = sum(cached), 0
+    if progress is not None:
+        progress(done, len(files))
+    reduce_chunk = partial(chunk_partials, plan=plan)
+    with ThreadPoolExecutor(max_workers=limits.WORKERS) as pool:
+        for chunk, partials in zip(todo, (mapper or pool.map)(reduce_chunk, todo), strict=True):
+            for file, one in zip(chunk, partials, strict=True):
+                rows_read += int(one[""][ROWS].sum())
+                results.append(one)
+                if cache is not None:
+                    new.append((file, one))
+            done += len(chunk)
+            if progress is not None:
+                progress(done, len(files))
+    # Arrow's allocator keeps the freed decode buffers for reuse; hand them back, so that what
+    # `analyze` reads next (with Polars' allocator) does not stack on top of them.
+    pa.default_memory_pool().release_unused()
+    if cache is not None:
+        cache.store(run, fingerprint, new, plan)
+    merged = merge(results, plan)
+    lo, hi = run.step_range
+    for level, frame in merged.items():
+        if lo is not None:
+            frame = frame.filter(pl.col("step") >= lo)
+        if hi is not None:
+            frame = frame.filter(pl.col("step") <= hi)
+        merged[level] = frame
+    stats = ScanStats(
+        files=len(files),
+        files_read=len(files) - sum(cached),
+        rows=int(merged[""][ROWS].sum()),
+        rows_read=rows_read,
+    )
+    return merged, stats

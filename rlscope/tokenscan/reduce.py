@@ -1,0 +1,274 @@
+"""One token file, batch by batch, reduced to per-step partials (a row per run of one step)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlscope.reader import INVALID_PREFIX, conform
+from rlscope.tokenscan import limits
+from rlscope.tokenscan.plan import (
+    ENTROPY_MAX_BIN,
+    ROWS,
+    TokenFile,
+    TokenPlan,
+    entropy_bins,
+)
+
+
+def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
+    """The file's columns that the plan reads, BATCH_ROWS rows at a time."""
+    present = [c for c in file.target if c in file.schema]
+    parquet = pq.ParquetFile(file.path)
+    with parquet:
+        rows = parquet.metadata.num_rows
+        if rows == 0:
+            return
+        # Even batches: 1.25M rows as two of 625k, not 1.2M and a 50k tail of its own.
+        size = -(-rows // -(-rows // limits.BATCH_ROWS))
+        for batch in parquet.iter_batches(batch_size=size, columns=present):
+            yield pl.from_arrow(pa.Table.from_batches([batch]))  # type: ignore[misc]
+
+
+def _step_runs(frame: pl.DataFrame) -> list[tuple[int, int]] | None:
+    """(offset, length) of each run of one step value; None when the runs are too many or too
+    short for a query per run to beat one group-by (small or unsorted batches)."""
+    step = frame["step"]
+    if step.null_count() or not frame.height:
+        return None
+    starts = _run_starts(step.to_numpy())
+    if starts.size > limits.MAX_STEP_RUNS or frame.height < limits.MIN_STEP_RUN_ROWS * starts.size:
+        return None
+    ends = [*starts[1:].tolist(), frame.height]
+    return [(start, end - start) for start, end in zip(starts.tolist(), ends, strict=True)]
+
+
+def _run_starts(*columns: np.ndarray) -> np.ndarray:
+    """The first row of each run of rows equal in every column (non-empty columns)."""
+    change = np.zeros(len(columns[0]) - 1, dtype=bool)
+    for values in columns:
+        change |= values[1:] != values[:-1]
+    return np.concatenate(([0], np.flatnonzero(change) + 1))
+
+
+def _level_queries(
+    lf: pl.LazyFrame, plan: TokenPlan, keys: list[str], done: Iterable[str] = ()
+) -> dict[str, pl.LazyFrame]:
+    """Each level's aggregation of conformed rows, grouped by `keys` (["step"], [FILE, "step"]
+    for several files at once, or none for one step's run of rows) and the level's own key;
+    but not the levels already `done`."""
+    queries: dict[str, pl.LazyFrame] = {}
+    invalid = [
+        (pl.col(flag).sum() if flag in lf.collect_schema() else pl.lit(0))
+        .cast(pl.Int64)
+        .alias(flag)
+        for flag in (INVALID_PREFIX + c for c in plan.count_invalid)
+    ]
+    base = [pl.len().cast(pl.Int64).alias(ROWS), *invalid]
+    exprs = [e.alias(n) for n, e in plan.partials.get("", {}).items()]
+    stepped = lf
+    for name, expr in plan.prelude.items() if exprs else ():  # in order: each may use the last
+        stepped = stepped.with_columns(expr.alias(name))
+    queries[""] = (
+        stepped.group_by(keys).agg(*base, *exprs) if keys else stepped.select(*base, *exprs)
+    )
+    if "segments" in plan.partials and "segments" not in done:
+        exprs = [e.alias(n) for n, e in plan.partials["segments"].items()]
+        segmented = lf.filter(pl.col("segment").is_not_null())
+        queries["segments"] = (
+            segmented.group_by(*keys, "segment")
+            .agg(exprs)
+            .with_columns(pl.col("segment").cast(pl.String))
+        )
+    if plan.ids and "ids" not in done:
+        # Runs of one rollout_id first: a rollout's tokens are usually contiguous, so the
+        # group-by sees a row per rollout rather than a row per token.
+        runs = lf.select(*keys, pl.col("rollout_id").rle_id().alias("run"), "rollout_id")
+        runs = runs.group_by(*keys, "run").agg(pl.col("rollout_id").first(), pl.len())
+        queries["ids"] = runs.group_by(*keys, "rollout_id").agg(pl.col("len").sum())
+    return queries
+
+
+#: The shapes of segments-level partial that `_run_levels` computes from runs of rows: per run
+#: a length, a float sum or a count (added up per segment), and distinct rollouts over runs.
+_RUN_SHAPES: tuple[tuple[str, Callable[[str], pl.Expr]], ...] = (
+    ("len", lambda _: pl.len().cast(pl.Int64)),
+    ("len", lambda _: pl.len()),
+    ("rollouts", lambda _: pl.col("rollout_id").n_unique()),
+    ("sum", lambda column: pl.col(column).cast(pl.Float64).sum()),
+    ("count", lambda column: pl.col(column).count().cast(pl.Int64)),
+    ("count", lambda column: pl.col(column).count()),
+)
+_RUN_ROLLOUT, _RUN_LEN, _RUN_SEGMENT = "__run_rollout__", "__run_len__", "__run_segment__"
+
+
+def _run_shape(expr: pl.Expr) -> tuple[str, str] | None:
+    """(kind, column) of a segments-level partial `_run_levels` can compute, else None."""
+    roots = expr.meta.root_names()
+    column = roots[0] if len(roots) == 1 else ""
+    for kind, shape in _RUN_SHAPES:
+        if expr.meta.eq(shape(column)):
+            return kind, column
+    return None
+
+
+def _run_levels(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame]:
+    """The ids and segments levels of rows without group keys, from the runs of rows of one
+    (rollout, segment): a rollout's tokens are contiguous, so the per-row work is a few
+    vectorised passes and the grouping is over a row per run, not per token. A level this
+    can't compute (a null rollout_id, a segment partial of another shape) is left out, for
+    `_level_queries`."""
+    rollout = frame["rollout_id"]
+    if not frame.height or rollout.null_count():
+        return {}
+    shapes = {name: _run_shape(e) for name, e in plan.partials.get("segments", {}).items()}
+    by_segment = "segments" in plan.partials and None not in shapes.values()
+    if not (by_segment or plan.ids):
+        return {}
+    ids = rollout.to_numpy()
+    keys = [ids]
+    segment = frame["segment"] if by_segment else None
+    if segment is not None:
+        categorical = isinstance(segment.dtype, pl.Categorical | pl.Enum)
+        codes = segment.to_physical() if categorical else segment.rle_id()
+        if codes.null_count():
+            keys.append(segment.is_null().to_numpy())
+            codes = codes.fill_null(0)
+        keys.append(codes.to_numpy())
+    starts = _run_starts(*keys)
+    lengths = np.diff(starts, append=frame.height)
+    runs = pl.LazyFrame({_RUN_ROLLOUT: ids[starts], _RUN_LEN: lengths})
+    levels: dict[str, pl.LazyFrame] = {}
+    if plan.ids:
+        levels["ids"] = runs.group_by(pl.col(_RUN_ROLLOUT).alias("rollout_id")).agg(
+            pl.col(_RUN_LEN).sum().alias("len")
+        )
+    if segment is not None:
+        per_run, exprs = [pl.Series(_RUN_SEGMENT, segment.gather(starts))], []
+        for name, (kind, column) in shapes.items():  # type: ignore[misc]
+            if kind == "len":
+                exprs.append(pl.col(_RUN_LEN).sum().alias(name))
+            elif kind == "rollouts":
+                exprs.append(pl.col(_RUN_ROLLOUT).n_unique().alias(name))
+            else:
+                values = _per_run(kind, frame[column], starts, lengths)
+                per_run.append(pl.Series(name, values))
+                exprs.append(pl.col(name).sum())
+        levels["segments"] = (
+            runs.with_columns(per_run)
+            .filter(pl.col(_RUN_SEGMENT).is_not_null())
+            .group_by(_RUN_SEGMENT)
+            .agg(exprs)
+            .select(pl.col(_RUN_SEGMENT).cast(pl.String).alias("segment"), *shapes)
+        )
+    return levels
+
+
+def _per_run(kind: str, values: pl.Series, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """A column's sum (in float64, nulls skipped) or count of non-null values per run."""
+    if kind == "sum":
+        array = (values.fill_null(0) if values.null_count() else values).to_numpy()
+        return np.add.reduceat(array, starts, dtype=np.float64)
+    if values.null_count():
+        return np.add.reduceat(values.is_not_null().to_numpy(), starts, dtype=np.int64)
+    return lengths
+
+
+def _grouped_levels(
+    frame: pl.DataFrame, plan: TokenPlan, keys: list[str]
+) -> dict[str, pl.LazyFrame]:
+    """Every level of conformed rows grouped by `keys` (["step"], or [FILE, "step"] for
+    several files at once): small or unsorted batches."""
+    queries = _level_queries(frame.lazy(), plan, keys)
+    if "entropy_bins" in plan.partials:
+        (name,) = plan.partials["entropy_bins"]
+        binned = _non_null(frame.select(*keys, "entropy"), "entropy")
+        codes = pl.Series("entropy_bin", entropy_bins(binned["entropy"]))
+        queries["entropy_bins"] = (
+            binned.lazy()
+            .select(*keys, codes)
+            .group_by(*keys, "entropy_bin")
+            .agg(pl.len().cast(pl.Int64).alias(name))
+        )
+    return queries
+
+
+def _step_levels(piece: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame]:
+    """Every level of one step's run of conformed rows, each with that step as a column: a
+    plain select (no hashing of every row's step), the run levels of `_run_levels` and the
+    entropy histogram as a bincount."""
+    queries = _run_levels(piece, plan)
+    queries |= _level_queries(piece.lazy(), plan, [], done=queries)
+    if "entropy_bins" in plan.partials:
+        (name,) = plan.partials["entropy_bins"]
+        entropy = _non_null(piece.select("entropy"), "entropy")["entropy"]
+        tally = np.bincount(entropy_bins(entropy), minlength=ENTROPY_MAX_BIN + 1)
+        found = np.flatnonzero(tally)
+        queries["entropy_bins"] = pl.LazyFrame(
+            {"entropy_bin": found.astype(np.int32), name: tally[found].astype(np.int64)}
+        )
+    step = pl.lit(piece["step"][0], pl.Int64).alias("step")
+    return {level: query.select(step, pl.all()) for level, query in queries.items()}
+
+
+def _non_null(frame: pl.DataFrame, column: str) -> pl.DataFrame:
+    return frame.filter(pl.col(column).is_not_null()) if frame[column].null_count() else frame
+
+
+def _collect(queries: list[dict[str, pl.LazyFrame]]) -> dict[str, pl.DataFrame]:
+    """Levels' queries (of several pieces of rows) collected at once, each level's pieces
+    concatenated."""
+    flat = [(level, query) for levels in queries for level, query in levels.items()]
+    parts: dict[str, list[pl.DataFrame]] = {}
+    for (level, _), frame in zip(flat, collect_all([q for _, q in flat]), strict=True):
+        parts.setdefault(level, []).append(frame)
+    return {level: pl.concat(frames, how="vertical_relaxed") for level, frames in parts.items()}
+
+
+def collect_all(queries: list[pl.LazyFrame]) -> list[pl.DataFrame]:
+    """`pl.collect_all` in slices of COLLECT_SLICE queries: linear in their number."""
+    return [
+        frame
+        for start in range(0, len(queries), limits.COLLECT_SLICE)
+        for frame in pl.collect_all(queries[start : start + limits.COLLECT_SLICE])
+    ]
+
+
+def _reduce_rows(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.DataFrame]:
+    """One file's conformed rows reduced: run by run of one step when the rows are sorted by
+    step (much cheaper than hashing every row's step), else grouped."""
+    runs = _step_runs(frame)
+    if runs is None:
+        return _collect([_grouped_levels(frame, plan, ["step"])])
+    return _collect([_step_levels(frame.slice(offset, n), plan) for offset, n in runs])
+
+
+def _conformed(frame: pl.DataFrame, file: TokenFile, plan: TokenPlan) -> pl.DataFrame:
+    """A batch with the unified types and NaN/inf as null, flagged per counted column. Float
+    columns found all finite (the usual case; one cheap reduction tells) skip the per-row
+    rewrite and carry no flag column; a categorical segment stays categorical (grouped as is)."""
+    floats = [c for c, t in file.schema.items() if c in file.target and t.is_float()]
+    # A finite sum means no NaN or inf (either makes the sum NaN or inf); a non-finite one
+    # (or an overflow) is checked row by row.
+    sums = frame.select(pl.col(c).sum() for c in floats).row(0) if floats else ()
+    finite = [c for c, total in zip(floats, sums, strict=True) if math.isfinite(total)]
+    suspect = [c for c in floats if c not in finite]
+    if suspect:
+        non_finite = frame.select((~pl.col(c).is_finite()).sum() for c in suspect).row(0)
+        finite += [c for c, n in zip(suspect, non_finite, strict=True) if not n]
+    target = dict(file.target)
+    for column, dtype in file.schema.items():
+        if target.get(column) == pl.String and isinstance(dtype, pl.Categorical | pl.Enum):
+            target[column] = dtype
+    if len(finite) == len(floats) and all(file.schema.get(c) == t for c, t in target.items()):
+        return frame.select(*file.target)  # nothing to cast, fill or flag
+    exprs = conform(
+        target, dict(file.schema), dict(file.hive), invalid_flags=True, all_finite=finite
+    )
+    flags = [INVALID_PREFIX + c for c in plan.count_invalid if c not in finite]
+    return frame.lazy().select(exprs).select(*file.target, *flags).collect()
