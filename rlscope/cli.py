@@ -304,28 +304,28 @@ def list_metrics(
 
     from rich.table import Table
 
-    from rlscope.catalog import default_catalog
+    from rlscope import reference
 
     if format not in ("text", "json"):
         _fail(RlscopeError(f"--format {format!r}: choose text or json"))
-    catalog = default_catalog()
+    ref = reference.load()
     if format == "json":
         doc = {
-            "metrics": [m.to_dict() for m in catalog.metrics.values()],
-            "findings": [r.to_dict() for r in catalog.rules.values()],
+            "metrics": [reference.as_json(m) for m in ref.metrics],
+            "findings": [reference.as_json(r) for r in ref.findings],
         }
         sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=True) + "\n")
         return
     table = Table(title="Metrics", title_justify="left")
     for column in ("id", "layer", "what"):
         table.add_column(column)
-    for metric in catalog.metrics.values():
-        table.add_row(metric.id, metric.layer, metric.title)
+    for metric in ref.metrics:
+        table.add_row(metric["id"], metric["layer"], metric["title"])
     findings = Table(title="Findings", title_justify="left")
     for column in ("id", "layer", "severity", "what"):
         findings.add_column(column)
-    for rule in catalog.rules.values():
-        findings.add_row(rule.id, rule.layer, rule.severity, rule.title)
+    for rule in ref.findings:
+        findings.add_row(rule["id"], rule["layer"], rule["severity"], rule["title"])
     out = _stdout()
     out.print(table)
     out.print(findings)
@@ -347,20 +347,21 @@ def explain(
 
       rlscope explain entropy-collapse --format json
     """
-    from rlscope.catalog import default_catalog
+    from rlscope import reference
 
-    catalog = default_catalog()
-    item = catalog.lookup(id)
+    ref = reference.load()
+    item = ref.lookup(id)
     if item is None:
-        _fail(RlscopeError(f"unknown id {id!r}", hint=catalog.hint(id)))
+        _fail(RlscopeError(f"unknown id {id!r}", hint=ref.hint(id)))
     if format not in ("text", "json"):
         _fail(RlscopeError(f"--format {format!r}: choose text or json"))
     if format == "json":
         import json
 
-        sys.stdout.write(json.dumps(item.to_dict(), indent=2, ensure_ascii=True) + "\n")
+        doc = reference.as_json(item)
+        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=True) + "\n")
         return
-    _stdout().print(item.explain(), markup=False, highlight=False)
+    _stdout().print(item["text"], markup=False, highlight=False)
 
 
 @app.command()
@@ -591,18 +592,18 @@ def formats(
 
       rlscope formats trl
     """
-    from rlscope.importers import IMPORTERS
+    from rlscope import reference
 
     out = _stdout()
+    known = {f["name"]: f for f in reference.load().formats}
     if name is None:
-        for listed in IMPORTERS.values():
-            out.print(f"{listed.name:14} {listed.summary}", markup=False)
+        for listed in known.values():
+            out.print(f"{listed['name']:14} {listed['summary']}", markup=False)
         out.print("`rlscope formats NAME` shows the mapping and options.", markup=False)
         return
-    importer = IMPORTERS.get(name)
-    if importer is None:
-        _fail(RlscopeError(f"unknown format {name!r}", hint="formats: " + ", ".join(IMPORTERS)))
-    out.print(importer.doc, markup=False)
+    if name not in known:
+        _fail(RlscopeError(f"unknown format {name!r}", hint="formats: " + ", ".join(known)))
+    out.print(known[name]["doc"], markup=False)
 
 
 @app.command()

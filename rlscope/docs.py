@@ -1,10 +1,15 @@
-"""The README's metric and findings tables, generated from the catalog (`make docs`)."""
+"""Generated from the catalog (`make docs`): the README's metric and findings tables and the
+shipped reference (rlscope/reference.json, what `explain` and `metrics` read)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
+from rlscope import reference
 from rlscope.catalog import default_catalog
+from rlscope.importers import IMPORTERS
 
 #: (marker name, table function): the README holds each table between its two markers.
 BEGIN = "<!-- {} table: generated from the catalog by `make docs`; edit the source -->"
@@ -65,5 +70,37 @@ def write_readme(path: str | Path = "README.md") -> bool:
     return new != old
 
 
+def reference_document() -> dict[str, Any]:
+    """Every metric and finding of the catalog (its JSON documentation and explain text) and
+    every import format (`rlscope formats`)."""
+    catalog = default_catalog()
+    return {
+        "metrics": [{**m.to_dict(), "text": m.explain()} for m in catalog.metrics.values()],
+        "findings": [{**r.to_dict(), "text": r.explain()} for r in catalog.rules.values()],
+        "formats": [
+            {"name": i.name, "summary": i.summary, "doc": i.doc} for i in IMPORTERS.values()
+        ],
+    }
+
+
+def reference_text() -> str:
+    return json.dumps(reference_document(), indent=1, ensure_ascii=True) + "\n"
+
+
+def write_reference(path: str | Path = reference.PATH) -> bool:
+    """Rewrite the shipped reference; True when it changed."""
+    file = Path(path)
+    new = reference_text()
+    changed = not file.is_file() or file.read_text(encoding="utf-8") != new
+    if changed:
+        file.write_text(new, encoding="utf-8")
+    return changed
+
+
 if __name__ == "__main__":
     print("README.md updated" if write_readme() else "README.md already current")
+    print(
+        f"{reference.PATH.name} updated"
+        if write_reference()
+        else f"{reference.PATH.name} already current"
+    )

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
-import polars as pl
+if TYPE_CHECKING:  # Polars only for types: `rlscope --help` and `explain` import this module
+    import polars as pl
 
 #: The six layers of diagnosis (ids are public API).
 Layer = Literal["L1", "L2", "L3", "L4", "L5", "L6"]
@@ -37,11 +38,11 @@ TABLE_LEVELS: tuple[Table, ...] = get_args(Table)
 #: A metric's series function: (its aggregated frame, the MetricContext) -> a lazy per-step
 #: frame. The context is rlscope.context.MetricContext (typed `Any` here so that this module
 #: stays below it).
-SeriesFn = Callable[[pl.LazyFrame, Any], pl.LazyFrame]
-PartialsFn = Callable[[Any], Mapping[str, pl.Expr]]
-SummaryFn = Callable[[pl.DataFrame, Any], dict[str, Any]]
+SeriesFn: TypeAlias = "Callable[[pl.LazyFrame, Any], pl.LazyFrame]"
+PartialsFn: TypeAlias = "Callable[[Any], Mapping[str, pl.Expr]]"
+SummaryFn: TypeAlias = "Callable[[pl.DataFrame, Any], dict[str, Any]]"
 #: A family's members for a run (rlscope.reader.Run): one metric per run-specific name.
-FamilyFn = Callable[[Any], list["Metric"]]
+FamilyFn: TypeAlias = "Callable[[Any], list[Metric]]"
 
 
 def severity_rank(severity: str) -> int:
@@ -192,7 +193,7 @@ class Param:
 
 #: A rule's check: takes a rules.base.RuleContext (typed where each rule is defined, so that
 #: the vocabulary stays below the rules) and yields its findings.
-RuleFn = Callable[[Any], Iterator["Finding"]]
+RuleFn: TypeAlias = "Callable[[Any], Iterator[Finding]]"
 
 
 @dataclass(frozen=True)

@@ -158,3 +158,21 @@ def test_rules_never_scan_the_run() -> None:
         text = path.read_text()
         for scan in (".scan(", "open_run", "ctx.run", "scan_parquet", "read_parquet"):
             assert scan not in text, f"{path.name}: {scan}"
+
+
+def test_help_explain_and_formats_do_not_import_polars() -> None:
+    """The quick commands stay quick: no Polars (~0.1 s of import) behind them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from rlscope.cli import app\n"
+        "for args in (['--help'], ['explain', 'kl-runaway'], ['metrics'], ['explain', 'x'],"
+        " ['formats'], ['formats', 'trl']):\n"
+        "    CliRunner().invoke(app, args)\n"
+        "    assert 'polars' not in sys.modules, args\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

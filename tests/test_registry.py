@@ -93,6 +93,25 @@ def test_readme_tables_are_generated_from_the_catalog() -> None:
     assert update_readme(README) == README, "run `make docs`"
 
 
+def test_the_shipped_reference_is_generated_from_the_catalog() -> None:
+    """`explain` and `metrics` read rlscope/reference.json (no Polars import): it must say what
+    the catalog says."""
+    from rlscope import reference
+    from rlscope.docs import reference_text
+
+    assert reference.PATH.read_text(encoding="utf-8") == reference_text(), "run `make docs`"
+    ref = reference.load()
+    for metric in METRICS.values():
+        entry = ref.lookup(metric.id)
+        assert entry is not None and entry["text"] == metric.explain()
+        assert reference.as_json(entry) == metric.to_dict()
+    assert ref.lookup("signal.reward.accuracy_reward") == ref.lookup("signal.reward.*")
+    assert ref.lookup("signal.reward.") is None and ref.lookup("nope") is None
+    from rlscope.importers import IMPORTERS
+
+    assert [f["name"] for f in ref.formats] == list(IMPORTERS)
+
+
 TESTS = Path(__file__).resolve().parent
 
 
