@@ -55,26 +55,44 @@ FAIL_LEVELS = ("info", "warn", "critical", "never")
 METRICS_HELP = (
     "Metrics to {}: comma-separated ids, layers (L3) or globs ('signal.*'); default: all."
 )
-StepsOption = Annotated[str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.")]
+StepsOption = Annotated[
+    str | None, typer.Option(help="Step range A:B (inclusive), A: or :B.", metavar="A:B")
+]
 FromOption = Annotated[
     str | None,
     typer.Option(
-        "--from", help="RUN is a trainer's output in this format (verl, trl, ...): import it."
+        "--from",
+        help="RUN is a trainer's output in this format (verl, trl, ...): import it.",
+        metavar="FORMAT",
     ),
 ]
 ImportOption = Annotated[
     list[str] | None,
-    typer.Option("--option", help="Import option KEY=VALUE (with --from); repeatable."),
+    typer.Option(
+        "--option",
+        "-X",
+        help="Import option KEY=VALUE (with --from); repeatable.",
+        metavar="KEY=VALUE",
+    ),
 ]
+#: `-o` meant --option in analyze and import before it meant --output everywhere: still read
+#: there, with a warning, for one more release.
+LegacyOption = Annotated[list[str] | None, typer.Option("-o", hidden=True, metavar="KEY=VALUE")]
 ConfigOption = Annotated[
     Path | None,
-    typer.Option(help="TOML with [findings.ID] overrides (default: ./rlscope.toml)."),
+    typer.Option(
+        help="TOML with [findings.ID] overrides (default: ./rlscope.toml).", metavar="FILE"
+    ),
 ]
 
 
 def _stdout() -> Console:
+    """The data console: the terminal's width; piped, `COLUMNS` when set, else 110 (CI logs
+    are wide enough for one metric per line)."""
+    import os
+
     console = Console(highlight=False)
-    if not console.is_terminal:  # pipes and CI logs: wide enough for one metric per line
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
         console = Console(highlight=False, width=110)
     return console
 
@@ -134,6 +152,14 @@ def import_options(from_format: str | None, option: list[str] | None) -> dict[st
     return parse_pairs(option or [], "--option")
 
 
+def with_legacy(option: list[str] | None, legacy: list[str] | None) -> list[str] | None:
+    """--option values plus those given with the old `-o` spelling (warned about on stderr)."""
+    if not legacy:
+        return option
+    _say(_stderr(), "warning: -o KEY=VALUE is deprecated (-o will mean --output); use -X KEY=VALUE")
+    return [*(option or []), *legacy]
+
+
 def check_align(align: str) -> None:
     if align not in ("step", "progress"):
         raise RlscopeError(f"--align {align!r}: choose step or progress")
@@ -176,24 +202,32 @@ def _progress(what: str) -> Iterator[Callable[[int, int], None] | None]:
 
 @app.command()
 def analyze(
-    run: Annotated[Path, typer.Argument(help="Run directory (run.json + Parquet tables).")],
-    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    run: Annotated[
+        Path, typer.Argument(help="Run directory (run.json + Parquet tables).", metavar="RUN")
+    ],
+    format: Annotated[
+        str, typer.Option("--format", "-f", help="text or json.", metavar="FORMAT")
+    ] = "text",
     steps: StepsOption = None,
     fail_on: Annotated[
-        str, typer.Option(help="Exit 1 on a finding at or above: info, warn, critical, never.")
+        str,
+        typer.Option(
+            help="Exit 1 on a finding at or above: info, warn, critical, never.", metavar="LEVEL"
+        ),
     ] = "critical",
-    metrics: Annotated[str | None, typer.Option(help=METRICS_HELP.format("compute"))] = None,
+    metrics: Annotated[
+        str | None, typer.Option(help=METRICS_HELP.format("compute"), metavar="IDS")
+    ] = None,
     config: ConfigOption = None,
     from_format: FromOption = None,
-    option: Annotated[
-        list[str] | None,
-        typer.Option("--option", "-o", help="Import option KEY=VALUE (with --from); repeatable."),
-    ] = None,
+    option: ImportOption = None,
+    legacy_option: LegacyOption = None,
     cache_dir: Annotated[
         Path | None,
         typer.Option(
             help="Where --from imports and token-file partials are kept (default: the user "
-            "cache dir)."
+            "cache dir).",
+            metavar="DIR",
         ),
     ] = None,
     cache: Annotated[
@@ -203,6 +237,9 @@ def analyze(
             "growing run reads only its new token files."
         ),
     ] = True,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Text: the verdict and the findings only.")
+    ] = False,
 ) -> None:
     """Compute every metric layer by layer, diagnose, and print the report.
 
@@ -217,6 +254,8 @@ def analyze(
       rlscope analyze verl_dumps/ --from verl   # a trainer's own output, imported to the cache
 
       rlscope analyze runs/r1 --no-cache   # read every token file, keep no partials
+
+      rlscope analyze runs/r1 -q   # the verdict line and the findings only
 
     Exit codes: 0 nothing at or above --fail-on, 1 there is, 2 usage or input error.
     """
@@ -233,7 +272,7 @@ def analyze(
         step_range = parse_steps(steps)
         metric_ids = parse_ids(metrics)
         settings = load_config(config)
-        options = import_options(from_format, option)
+        options = import_options(from_format, with_legacy(option, legacy_option))
         with _progress(f"analysing {run}") as progress:
             report = run_analysis(
                 run,
@@ -251,14 +290,14 @@ def analyze(
     if format == "json":
         sys.stdout.write(render_json(report) + "\n")
     else:
-        render_terminal(report, _stdout())
+        render_terminal(report, _stdout(), quiet=quiet)
     if report.breaches(fail_on):
         raise typer.Exit(1)
 
 
 @app.command()
 def validate(
-    run: Annotated[Path, typer.Argument(help="Run directory to check.")],
+    run: Annotated[Path, typer.Argument(help="Run directory to check.", metavar="RUN")],
 ) -> None:
     """Check a run directory's layout, run.json and every file's schema.
 
@@ -290,7 +329,9 @@ def validate(
 
 @app.command("metrics")
 def list_metrics(
-    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    format: Annotated[
+        str, typer.Option("--format", "-f", help="text or json.", metavar="FORMAT")
+    ] = "text",
 ) -> None:
     """List every metric and finding id (stable ids: gate CI on them).
 
@@ -335,9 +376,12 @@ def list_metrics(
 @app.command()
 def explain(
     id: Annotated[
-        str, typer.Argument(help="A metric id (stability.kl) or finding id (kl-runaway).")
+        str,
+        typer.Argument(help="A metric id (stability.kl) or finding id (kl-runaway).", metavar="ID"),
     ],
-    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    format: Annotated[
+        str, typer.Option("--format", "-f", help="text or json.", metavar="FORMAT")
+    ] = "text",
 ) -> None:
     """Print what a metric or finding measures, why it matters, its healthy range, what to try.
 
@@ -366,12 +410,19 @@ def explain(
 
 @app.command()
 def show(
-    run: Annotated[Path, typer.Argument(help="Run directory.")],
-    rollout_id: Annotated[int, typer.Argument(help="The rollout_id to open.")],
-    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    run: Annotated[Path, typer.Argument(help="Run directory.", metavar="RUN")],
+    rollout_id: Annotated[
+        int, typer.Argument(help="The rollout_id to open.", metavar="ROLLOUT_ID")
+    ],
+    format: Annotated[
+        str, typer.Option("--format", "-f", help="text or json.", metavar="FORMAT")
+    ] = "text",
     config: Annotated[
         Path | None,
-        typer.Option(help="TOML with [tags] for parsing the response (default: ./rlscope.toml)."),
+        typer.Option(
+            help="TOML with [tags] for parsing the response (default: ./rlscope.toml).",
+            metavar="FILE",
+        ),
     ] = None,
 ) -> None:
     """Open one rollout: its row, the response segment by segment, tool calls, token entropy
@@ -416,19 +467,23 @@ def _require_rollouts(path: Path) -> None:
 
 @app.command("rollouts")
 def rollouts_command(
-    run: Annotated[Path, typer.Argument(help="Run directory.")],
+    run: Annotated[Path, typer.Argument(help="Run directory.", metavar="RUN")],
     finding: Annotated[
-        str | None, typer.Option(help="A finding id: the rollouts its evidence names.")
+        str | None,
+        typer.Option(help="A finding id: the rollouts its evidence names.", metavar="ID"),
     ] = None,
     where: Annotated[
         str | None,
         typer.Option(
             "--filter",
             help='Filter, e.g. \'reward > 0.5 and (split == "train" or answer contains "42")\'.',
+            metavar="EXPR",
         ),
     ] = None,
-    limit: Annotated[int, typer.Option(min=0, help="Show at most N rollouts.")] = 20,
-    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
+    limit: Annotated[int, typer.Option(min=0, help="Show at most N rollouts.", metavar="N")] = 20,
+    format: Annotated[
+        str, typer.Option("--format", "-f", help="text or json.", metavar="FORMAT")
+    ] = "text",
     config: ConfigOption = None,
 ) -> None:
     """List rollouts named by a finding and/or matching a filter, sorted by step and id.
@@ -473,16 +528,21 @@ def rollouts_command(
 
 @app.command()
 def synth(
-    out: Annotated[Path, typer.Argument(help="New run directory to create.")],
-    scenario: Annotated[str, typer.Option(help="healthy, or a finding's name.")] = "healthy",
-    steps: Annotated[int, typer.Option(min=10, help="Optimizer steps.")] = 200,
-    prompts: Annotated[int, typer.Option(min=1, help="Prompts per step.")] = 32,
-    group_size: Annotated[int, typer.Option(min=1, help="Rollouts per prompt (N).")] = 8,
-    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    out: Annotated[Path, typer.Argument(help="New run directory to create.", metavar="OUT")],
+    scenario: Annotated[
+        str, typer.Option(help="healthy, or a finding's name.", metavar="NAME")
+    ] = "healthy",
+    steps: Annotated[int, typer.Option(min=10, help="Optimizer steps.", metavar="N")] = 200,
+    prompts: Annotated[int, typer.Option(min=1, help="Prompts per step.", metavar="N")] = 32,
+    group_size: Annotated[
+        int, typer.Option(min=1, help="Rollouts per prompt (N).", metavar="N")
+    ] = 8,
+    seed: Annotated[int, typer.Option(help="Random seed.", metavar="N")] = 0,
     tokens: Annotated[bool, typer.Option(help="Write the per-token table.")] = True,
     text: Annotated[bool, typer.Option(help="Write response text and probes.")] = True,
     length_scale: Annotated[
-        float, typer.Option(min=0.01, help="Multiply response lengths (and their cap).")
+        float,
+        typer.Option(min=0.01, help="Multiply response lengths (and their cap).", metavar="X"),
     ] = 1.0,
 ) -> None:
     """Generate a synthetic run from the documented latent model, healthy or with one pathology.
@@ -524,21 +584,37 @@ def synth(
 
 @app.command("import")
 def import_command(
-    format: Annotated[str, typer.Argument(help="verl, verl-metrics, trl or jsonl.")],
-    source: Annotated[Path, typer.Argument(help="The trainer's output (read, never written).")],
-    out: Annotated[Path, typer.Argument(help="The format-v1 run directory to write or extend.")],
+    format: Annotated[
+        str, typer.Argument(help="verl, verl-metrics, trl or jsonl.", metavar="FORMAT")
+    ],
+    source: Annotated[
+        Path, typer.Argument(help="The trainer's output (read, never written).", metavar="SOURCE")
+    ],
+    out: Annotated[
+        Path, typer.Argument(help="The format-v1 run directory to write or extend.", metavar="OUT")
+    ],
     option: Annotated[
         list[str] | None,
-        typer.Option("--option", "-o", help="Importer option KEY=VALUE; repeatable."),
+        typer.Option(
+            "--option", "-X", help="Importer option KEY=VALUE; repeatable.", metavar="KEY=VALUE"
+        ),
     ] = None,
+    legacy_option: LegacyOption = None,
     reward_column: Annotated[
-        list[str] | None, typer.Option(help="trl: reward column(s) to sum (default: all).")
+        list[str] | None,
+        typer.Option(help="trl: reward column(s) to sum (default: all).", metavar="COLUMN"),
     ] = None,
     map: Annotated[
-        str | None, typer.Option(help="jsonl: format-v1 name=source key, comma-separated.")
+        str | None,
+        typer.Option(
+            help="jsonl: format-v1 name=source key, comma-separated.", metavar="NAME=KEY,..."
+        ),
     ] = None,
     split: Annotated[
-        str | None, typer.Option(help="verl/jsonl: train (default), eval_id, eval_ood, eval_*.")
+        str | None,
+        typer.Option(
+            help="verl/jsonl: train (default), eval_id, eval_ood, eval_*.", metavar="SPLIT"
+        ),
     ] = None,
     strict: Annotated[bool, typer.Option(help="Stop at the first malformed line.")] = False,
 ) -> None:
@@ -555,7 +631,7 @@ def import_command(
 
       rlscope import verl-metrics /path/metrics.jsonl runs/x
 
-      rlscope import trl outputs/grpo runs/y -o correct_column=accuracy_reward
+      rlscope import trl outputs/grpo runs/y -X correct_column=accuracy_reward
 
       rlscope import jsonl logs.jsonl runs/z --map step=iter,prompt_id=uid,reward=score
 
@@ -564,7 +640,9 @@ def import_command(
     from rlscope.importers import import_run
 
     try:
-        options: dict[str, object] = dict(parse_pairs(option or [], "--option"))
+        options: dict[str, object] = dict(
+            parse_pairs(with_legacy(option, legacy_option) or [], "--option")
+        )
         if reward_column:
             options["reward_columns"] = ",".join(reward_column)
         if map:
@@ -582,7 +660,9 @@ def import_command(
 
 @app.command()
 def formats(
-    name: Annotated[str | None, typer.Argument(help="One format to describe in full.")] = None,
+    name: Annotated[
+        str | None, typer.Argument(help="One format to describe in full.", metavar="NAME")
+    ] = None,
 ) -> None:
     """List the formats `rlscope import` and `analyze --from` read, or describe one.
 
@@ -609,17 +689,36 @@ def formats(
 @app.command()
 def compare(
     runs: Annotated[
-        list[Path], typer.Argument(help="Two or more run directories; the first is the baseline.")
+        list[Path],
+        typer.Argument(
+            help="Two or more run directories; the first is the baseline.", metavar="RUN..."
+        ),
     ],
-    format: Annotated[str, typer.Option("--format", "-f", help="text or json.")] = "text",
-    metrics: Annotated[str | None, typer.Option(help=METRICS_HELP.format("compare"))] = None,
+    format: Annotated[
+        str, typer.Option("--format", "-f", help="text or json.", metavar="FORMAT")
+    ] = "text",
+    metrics: Annotated[
+        str | None, typer.Option(help=METRICS_HELP.format("compare"), metavar="IDS")
+    ] = None,
     align: Annotated[
-        str, typer.Option(help="Align curves by `step`, or by `progress` (fraction of training).")
+        str,
+        typer.Option(
+            help="Align curves by `step`, or by `progress` (fraction of training).",
+            metavar="step|progress",
+        ),
     ] = "step",
     steps: StepsOption = None,
     config: ConfigOption = None,
     from_format: FromOption = None,
     option: ImportOption = None,
+    fail_on_regression: Annotated[
+        bool,
+        typer.Option(
+            "--fail-on-regression",
+            help="Exit 1 when a run is significantly worse than the baseline on a metric with "
+            "a direction (a CI gate: is the new run worse than main?).",
+        ),
+    ] = False,
 ) -> None:
     """Compare runs side by side: every metric per run, its delta to the first run with a
     bootstrap interval, which run is healthier, overlaid curves, and findings per run.
@@ -637,7 +736,10 @@ def compare(
 
       rlscope compare trl_out/base trl_out/new --from trl
 
-    Exit codes: 0 compared, 2 usage or input error.
+      rlscope compare runs/main runs/pr --fail-on-regression   # CI: exit 1 if worse
+
+    Exit codes: 0 compared (with --fail-on-regression: and no run worse), 1 a run is worse
+    than the baseline (--fail-on-regression), 2 usage or input error.
     """
     from rlscope.comparison import compare as run_compare
     from rlscope.config import load_config
@@ -665,6 +767,8 @@ def compare(
         sys.stdout.write(render_comparison_json(comparison) + "\n")
     else:
         render_comparison(comparison, _stdout())
+    if fail_on_regression and comparison.regressed:
+        raise typer.Exit(1)
 
 
 CHECK_FORMATS = ("text", "json", "junit", "github", "markdown")
@@ -672,26 +776,34 @@ CHECK_FORMATS = ("text", "json", "junit", "github", "markdown")
 
 @app.command()
 def check(
-    run: Annotated[Path, typer.Argument(help="Run directory to check (may still be written).")],
+    run: Annotated[
+        Path, typer.Argument(help="Run directory to check (may still be written).", metavar="RUN")
+    ],
     baseline: Annotated[
-        Path | None, typer.Option(help="Baseline run for relative gates (max_drop, max_rise).")
+        Path | None,
+        typer.Option(help="Baseline run for relative gates (max_drop, max_rise).", metavar="RUN"),
     ] = None,
     gates: Annotated[
         Path | None,
         typer.Option(
             help='TOML with [gates."METRIC"], fail_on and [findings.ID] (default: '
-            "./rlscope.toml, else [tool.rlscope] in ./pyproject.toml)."
+            "./rlscope.toml, else [tool.rlscope] in ./pyproject.toml).",
+            metavar="FILE",
         ),
     ] = None,
     fail_on: Annotated[
         str | None,
         typer.Option(
             help="Fail on a gate or finding at or above: info, warn, critical, never "
-            "(default: the gates file's fail_on, else critical)."
+            "(default: the gates file's fail_on, else critical).",
+            metavar="LEVEL",
         ),
     ] = None,
     format: Annotated[
-        str, typer.Option("--format", "-f", help="text, json, junit, github or markdown.")
+        str,
+        typer.Option(
+            "--format", "-f", help="text, json, junit, github or markdown.", metavar="FORMAT"
+        ),
     ] = "text",
     steps: StepsOption = None,
     exit_zero: Annotated[
@@ -701,7 +813,8 @@ def check(
         float | None,
         typer.Option(
             help="Re-check every SECONDS as files arrive; exit 1 at the first breach "
-            "(Ctrl-C stops)."
+            "(Ctrl-C stops).",
+            metavar="SECONDS",
         ),
     ] = None,
     from_format: FromOption = None,
@@ -784,13 +897,24 @@ def check(
 
 @app.command()
 def report(
-    runs: Annotated[list[Path], typer.Argument(help="One or more run directories (overlaid).")],
+    runs: Annotated[
+        list[Path], typer.Argument(help="One or more run directories (overlaid).", metavar="RUN...")
+    ],
     output: Annotated[
-        Path, typer.Option("--output", "-o", help="The HTML file to write (not in a run dir).")
+        Path,
+        typer.Option(
+            "--output", "-o", help="The HTML file to write (not in a run dir).", metavar="FILE"
+        ),
     ] = Path("report.html"),
-    metrics: Annotated[str | None, typer.Option(help=METRICS_HELP.format("plot"))] = None,
+    metrics: Annotated[
+        str | None, typer.Option(help=METRICS_HELP.format("plot"), metavar="IDS")
+    ] = None,
     align: Annotated[
-        str, typer.Option(help="Align runs by `step`, or by `progress` (fraction of training).")
+        str,
+        typer.Option(
+            help="Align runs by `step`, or by `progress` (fraction of training).",
+            metavar="step|progress",
+        ),
     ] = "step",
     steps: StepsOption = None,
     config: ConfigOption = None,

@@ -76,6 +76,46 @@ class FindingRow:
 
 
 @dataclass(frozen=True)
+class RunVerdict:
+    """One run against the baseline, overall: the metrics significantly worse or better (by
+    their direction), those that differ (no direction), and findings the baseline lacks."""
+
+    index: int
+    label: str
+    worse: tuple[str, ...]
+    better: tuple[str, ...]
+    differs: tuple[str, ...]
+    new_findings: tuple[tuple[str, str], ...]  # (finding id, severity)
+
+    @property
+    def regressed(self) -> bool:
+        return bool(self.worse)
+
+    def line(self) -> str:
+        """`run 2 (new-lr) vs baseline: 2 worse (a, b), 1 better (c); new findings: x (warn)`."""
+        parts = [f"{len(self.worse)} worse" + (f" ({', '.join(self.worse)})" if self.worse else "")]
+        if self.better:
+            parts.append(f"{len(self.better)} better ({', '.join(self.better)})")
+        if self.differs:
+            parts.append(f"{len(self.differs)} differ without a direction")
+        text = f"run {self.index + 1} ({self.label}) vs baseline: " + ", ".join(parts)
+        if self.new_findings:
+            text += "; new findings: " + ", ".join(f"{i} ({s})" for i, s in self.new_findings)
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.index,
+            "label": self.label,
+            "regressed": self.regressed,
+            "worse": list(self.worse),
+            "better": list(self.better),
+            "differs": list(self.differs),
+            "new_findings": [{"id": i, "severity": s} for i, s in self.new_findings],
+        }
+
+
+@dataclass(frozen=True)
 class Comparison:
     """Runs compared metric by metric against the first (the baseline)."""
 
@@ -85,6 +125,35 @@ class Comparison:
     metrics: dict[str, MetricComparison]
     findings: tuple[FindingRow, ...]
 
+    def verdicts(self) -> list[RunVerdict]:
+        """Each run after the baseline, overall (`compare --fail-on-regression` fails when one
+        is worse on a metric with a direction)."""
+        out = []
+        for index in range(1, len(self.reports)):
+
+            def named(verdict: str, i: int = index) -> tuple[str, ...]:
+                return tuple(
+                    m.id
+                    for m in self.metrics.values()
+                    if (run := m.runs[i]) is not None and run.verdict == verdict
+                )
+
+            base_findings = {f.id for f in self.reports[0].findings}
+            new = tuple(
+                (row.id, severity)
+                for row in self.findings
+                if (severity := row.severities[index]) is not None and row.id not in base_findings
+            )
+            label = self.labels[index]
+            out.append(
+                RunVerdict(index, label, named("worse"), named("better"), named("differs"), new)
+            )
+        return out
+
+    @property
+    def regressed(self) -> bool:
+        return any(v.regressed for v in self.verdicts())
+
     def to_dict(self) -> dict[str, Any]:
         from rlscope.schema import SCHEMA_VERSION
 
@@ -93,6 +162,7 @@ class Comparison:
             "schema_version": SCHEMA_VERSION,
             "baseline": 0,
             "align": self.align,
+            "verdicts": [v.to_dict() for v in self.verdicts()],
             "bootstrap": {
                 "resamples": BOOTSTRAP_RESAMPLES,
                 "confidence": CONFIDENCE,

@@ -298,10 +298,14 @@ def test_import_errors_exit_2(tmp_path: Path) -> None:
     source = _verl_dump(tmp_path / "dumps", range(1, 2))
     bad = rlscope("import", "nope", str(source), str(tmp_path / "o"))
     assert bad.returncode == 2 and "unknown import format" in bad.stderr
-    bad = rlscope("import", "verl", str(source), str(tmp_path / "o"), "-o", "bogus=1")
+    bad = rlscope("import", "verl", str(source), str(tmp_path / "o"), "-X", "bogus=1")
     assert bad.returncode == 2 and "unknown option" in bad.stderr
-    bad = rlscope("analyze", str(source), "-o", "split=eval_id")
+    bad = rlscope("analyze", str(source), "-X", "split=eval_id")
     assert bad.returncode == 2 and "--from" in bad.stderr
+    # The old spelling of --option, -o, is still read for one release, with a warning.
+    old = rlscope("import", "verl", str(source), str(tmp_path / "o"), "-o", "bogus=1")
+    assert old.returncode == 2 and "unknown option" in old.stderr
+    assert "-o KEY=VALUE is deprecated" in old.stderr and "-X KEY=VALUE" in old.stderr
     (source / "1.jsonl").write_text("{not json\n")
     strict = rlscope("import", "verl", str(source), str(tmp_path / "s"), "--strict")
     assert strict.returncode == 2 and "1.jsonl:1" in strict.stderr
@@ -444,3 +448,82 @@ def test_from_works_on_compare_check_and_report(tmp_path: Path) -> None:
     assert "kl-high" in out.read_text()
     alone = rlscope("compare", str(healthy), str(sick), "--option", "a=b")
     assert alone.returncode == 2 and "use it with --from" in alone.stderr
+
+
+def test_every_option_has_an_upper_case_metavar() -> None:
+    """Help names what an option takes (FILE, A:B, KEY=VALUE), never a Python type, and -o
+    means --output wherever it exists."""
+    import re
+
+    from rlscope.cli import app
+
+    commands = ["analyze", "compare", "check", "report", "import", "synth", "show", "rollouts"]
+    commands += ["validate", "explain", "metrics", "formats"]
+    for command in commands:
+        text = rlscope(command, "--help", env={"COLUMNS": "200"}).stdout
+        options = [line for line in text.splitlines() if re.match(r"\s+-", line)]
+        assert options, command
+        assert not [line for line in options if re.search(r"<[a-z\[\]]+>", line)], command
+        for line in options:
+            if re.match(r"\s+-o,", line):
+                assert "--output" in line, (command, line)
+    assert app is not None
+
+
+COLLAPSE = SAMPLE.parent / "entropy-collapse"
+
+
+def test_the_verdict_comes_first_and_is_never_cut_at_80_columns() -> None:
+    """At 80 columns every metric id and every status label is whole (the sparkline and the
+    trainer's logged value give way), and the first line is the verdict."""
+    from rlscope.analysis import analyze
+    from rlscope.config import Config
+
+    report = analyze(COLLAPSE, config=Config())
+    lines = rlscope("analyze", str(COLLAPSE), columns=80).stdout.splitlines()
+    assert lines[0] == "verdict: 1 critical: entropy-collapse"
+    assert max(len(line) for line in lines) <= 80
+    for metric in report.metrics.values():
+        row = next((ln for ln in lines if f"│ {metric.id} " in ln), None)
+        assert row is not None, metric.id
+        status = report.status(metric)
+        if status is not None:
+            assert status[0] in row, (metric.id, row)
+    healthy = rlscope("analyze", str(SAMPLE), columns=80).stdout.splitlines()
+    assert healthy[0].startswith("verdict: no findings")
+
+
+def test_piped_output_follows_columns() -> None:
+    narrow = rlscope("analyze", str(SAMPLE), columns=72).stdout.splitlines()
+    assert max(len(line) for line in narrow) <= 72
+    wide = rlscope("analyze", str(SAMPLE), env={"COLUMNS": None}).stdout.splitlines()
+    assert max(len(line) for line in wide) == 110  # no COLUMNS: wide enough for a metric a line
+
+
+def test_quiet_prints_the_verdict_and_the_findings_only() -> None:
+    quiet = rlscope("analyze", str(COLLAPSE), "-q", columns=80)
+    assert quiet.returncode == 1  # the exit code does not depend on how much is printed
+    assert quiet.stdout.startswith("verdict: 1 critical: entropy-collapse")
+    assert "CRITICAL" in quiet.stdout and "entropy-collapse (L2)" in quiet.stdout
+    assert "behavior.response_len" not in quiet.stdout and "rlscope analyze" not in quiet.stdout
+
+
+def test_compare_fits_80_columns_and_gates_on_regression(tmp_path: Path) -> None:
+    base, new = str(SAMPLE), str(COLLAPSE)
+    shown = rlscope("compare", base, new, "--metrics", "L2,L3", columns=80)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert lines[0].startswith("verdict: run 2 (synth-entropy-collapse) vs baseline: ")
+    assert "worse (behavior.entropy" in shown.stdout and "new findings:" in shown.stdout
+    for metric_id in ("behavior.entropy", "signal.pass_at_k", "behavior.response_len_incorrect"):
+        assert f"│ {metric_id}  healthier:" in shown.stdout, metric_id
+    gate = rlscope("compare", base, new, "--metrics", "L2", "--fail-on-regression")
+    assert gate.returncode == 1
+    same = rlscope("compare", base, base, "--metrics", "L2", "--fail-on-regression")
+    assert same.returncode == 0
+    doc = json.loads(rlscope("compare", base, new, "--metrics", "L2", "-f", "json").stdout)
+    (verdict,) = doc["verdicts"]
+    assert verdict["run"] == 1 and verdict["regressed"] is True
+    assert "behavior.entropy" in verdict["worse"]
+    assert {"id": "entropy-collapse", "severity": "critical"} in verdict["new_findings"]

@@ -178,7 +178,7 @@ def test_unrecognised_reward_functions_skip_correctness(tmp_path: Path) -> None:
     result = import_run("trl", src, out)
     meta = json.loads((out / "run.json").read_text())
     assert (
-        "say which reward function means correct: `-o correct_column=…`"
+        "say which reward function means correct: `-X correct_column=…`"
         in (meta["correct_unknown"])
     )
     assert "correct_source" not in meta

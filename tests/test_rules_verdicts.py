@@ -468,7 +468,7 @@ def test_correctness_unknown_reason_reaches_the_skip(write_run) -> None:
         "reward": [0.0, 1.0],
         "response_len": [5, 6],
     }
-    why = "say which reward function means correct: `-o correct_column=…`"
+    why = "say which reward function means correct: `-X correct_column=…`"
     path = write_run({"rollouts": rollouts}, correct_unknown=why)
     report = analyze(path, metrics=["signal.pass_at_1"])
     (skip,) = [s for s in report.skipped if s.metric == "signal.pass_at_1"]

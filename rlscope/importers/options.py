@@ -1,4 +1,4 @@
-"""Importer options: typed `-o key=value` parsing and the options every importer shares."""
+"""Importer options: typed `-X key=value` parsing and the options every importer shares."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ _NOT_REWARDS = ("step", "advantage")
 #: Steps column TRL's frac_reward_zero_std is kept under when it is a batch-level quantity
 #: (scale_rewards="batch"), so logged-metric-mismatch never compares it with the group share.
 ZERO_STD_BATCH = "frac_reward_zero_std_batch"
-CORRECT_HINT = "say which reward function means correct: `-o correct_column=…`"
+CORRECT_HINT = "say which reward function means correct: `-X correct_column=…`"
 
 
 def import_trl(session: Session) -> None:
@@ -95,7 +95,7 @@ def import_trl(session: Session) -> None:
                 `accuracy_reward`, 1.0 or 0.0, None when the gold answer does not parse:
                 correct null there, counted) > 0; else with a single reward function reward
                 > 0; else unknown: no `correct` column, and the reader derives none, so
-                metrics needing rollouts.correct are skipped (`-o correct_column=...`). A sum
+                metrics needing rollouts.correct are skipped (`-X correct_column=...`). A sum
                 with a format bonus is never the correctness.
       eval rows TRL's `log()` writes `completions_<global_step>.parquet` in eval mode too,
                 from the `_logs` deques shared with training (maxlen generation_batch_size):

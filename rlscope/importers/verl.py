@@ -304,7 +304,7 @@ def _finish_rollouts(session: Session, tokens: bool) -> None:
         meta["response_len_unit"] = "words"
         provenance["response_len"] = (
             "whitespace words of `output` (verl's dump has no token count; "
-            "`-o tokenizer=tokenizer.json` counts tokens): never compared with max_response_length "
+            "`-X tokenizer=tokenizer.json` counts tokens): never compared with max_response_length "
             "or verl's token-based response_length/*"
         )
     elif tokens:
@@ -340,7 +340,7 @@ def _finish_rollouts(session: Session, tokens: bool) -> None:
     if opts["max_response_len"] is not None and not tokens:
         provenance["truncation"] = (
             "not derived: max_response_len counts tokens and response_len counts words here; "
-            "verl's logged response_length/clip_ratio (`-o metrics=`) is used instead"
+            "verl's logged response_length/clip_ratio (`-X metrics=`) is used instead"
         )
     if provenance:
         meta["provenance"] = provenance
@@ -528,10 +528,10 @@ def _interpreted(
                 row["kl"] = row.pop(KL_LOSS) * scale
         estimator = settings["kl_loss_type"]
         how = {
-            "0.6": "divided by the gradient-accumulation steps in 0.6 (pass -o kl_loss_scale=N "
+            "0.6": "divided by the gradient-accumulation steps in 0.6 (pass -X kl_loss_scale=N "
             "to undo)",
             "0.7": "multiplied by mini-batches x epochs in 0.7 (verl PR #5766; pass "
-            "-o kl_loss_scale=1/N to undo)",
+            "-X kl_loss_scale=1/N to undo)",
         }.get(version, "the per-token KL, mean over micro-batches")
         provenance["kl"] = (
             f"actor/kl_loss ({estimator}), verl {version}: {how}"

@@ -105,7 +105,7 @@ def _vote_variant(series) -> Variant:
         series,
         _VOTES,
         empty_reason="no train group with 2 or more rollouts that gives an answer (no answer "
-        "could be extracted: log `answer`, or import with `-o answer_pattern=REGEX`)",
+        "could be extracted: log `answer`, or import with `-X answer_pattern=REGEX`)",
         level="rollout",
     )
 

@@ -11,9 +11,20 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rlscope.comparison import CONFIDENCE, MIN_WINDOW_POINTS, Comparison, MetricComparison
+from rlscope.comparison import (
+    CONFIDENCE,
+    MIN_WINDOW_POINTS,
+    Comparison,
+    MetricComparison,
+)
 from rlscope.render.sanitize import safe_text
-from rlscope.render.terminal import BLOCKS, SEVERITY_STYLE, format_value
+from rlscope.render.terminal import (
+    BLOCKS,
+    MIN_SPARK,
+    PANEL_CHROME,
+    SEVERITY_STYLE,
+    format_value,
+)
 from rlscope.spec import LAYERS
 
 SPARK_WIDTH = 20
@@ -88,23 +99,54 @@ def _healthier(metric: MetricComparison) -> Text:
     return Text(f"{who} {arrow}", style="bold")
 
 
-def _layer_panel(comparison: Comparison, layer: str) -> Panel | None:
+def _cell_width(metric: MetricComparison, index: int) -> int:
+    return max(len(line) for line in _run_cell(metric, index, "").plain.split("\n"))
+
+
+def _layer_panel(comparison: Comparison, layer: str, width: int) -> Panel | None:
+    """A table with a column per run; when the metric ids, the cells and the verdicts do not
+    fit side by side, each metric is a line (id and which run is healthier) over its cells, so
+    that nothing is ever cut."""
     metrics = [m for m in comparison.metrics.values() if m.layer == layer]
     if not metrics:
         return None
-    table = Table(box=None, pad_edge=False, padding=(0, 2), show_lines=False)
-    table.add_column("metric", no_wrap=True)
-    for i in range(len(comparison.reports)):
-        name = "baseline" if i == 0 else f"run {i + 1}"
-        table.add_column(name, no_wrap=True, min_width=SPARK_WIDTH)
-    table.add_column("healthier", no_wrap=True)
+    runs = range(len(comparison.reports))
+    cells = max(max(SPARK_WIDTH, *(_cell_width(m, i) for m in metrics)) for i in runs)
+    id_width = max(len(m.id) for m in metrics)
+    verdict_width = max(len(_healthier(m).plain) for m in metrics)
+    wide = id_width + len(runs) * (cells + 2) + 2 + verdict_width <= width - PANEL_CHROME
+    room = (width - PANEL_CHROME) // len(runs) - 2
+    spark = SPARK_WIDTH if wide else max(MIN_SPARK, min(SPARK_WIDTH, room))
+    body: list = []
+    table = Table(box=None, pad_edge=False, padding=(0, 1), show_lines=False)
+    if wide:
+        table.add_column("metric", no_wrap=True)
+    for i in runs:
+        table.add_column("baseline" if i == 0 else f"run {i + 1}", min_width=spark)
+    if wide:
+        table.add_column("healthier", no_wrap=True)
     for metric in metrics:
         curves = aligned_sparklines(
-            [(r.x, r.values) if r is not None else None for r in metric.runs], SPARK_WIDTH
+            [(r.x, r.values) if r is not None else None for r in metric.runs], spark
         )
-        cells = [_run_cell(metric, i, curves[i]) for i in range(len(comparison.reports))]
-        table.add_row(Text(safe_text(metric.id), style="bold"), *cells, _healthier(metric))
-    return Panel(table, title=f"{layer} {LAYERS.get(layer, layer)}", title_align="left")
+        row = [_run_cell(metric, i, curves[i]) for i in runs]
+        if wide:
+            table.add_row(Text(safe_text(metric.id), style="bold"), *row, _healthier(metric))
+            continue
+        head = Text(safe_text(metric.id), style="bold")
+        head.append("  healthier: ").append_text(_healthier(metric))
+        body.append(head)
+        grid = Table(box=None, pad_edge=False, padding=(0, 1), show_header=False)
+        for _ in runs:
+            grid.add_column(min_width=spark)
+        grid.add_row(*row)
+        body.append(grid)
+    if wide:
+        body = [table]
+    else:
+        names = "  ".join("baseline" if i == 0 else f"run {i + 1}" for i in runs)
+        body.insert(0, Text(f"columns: {names}", style="dim"))
+    return Panel(Group(*body), title=f"{layer} {LAYERS.get(layer, layer)}", title_align="left")
 
 
 def _findings_panel(comparison: Comparison) -> Panel:
@@ -130,6 +172,15 @@ def _findings_panel(comparison: Comparison) -> Panel:
     return Panel(table, title="Findings", title_align="left")
 
 
+def verdict_lines(comparison: Comparison) -> list[Text]:
+    """Each run against the baseline in one line, first: worse, better, new findings."""
+    lines = []
+    for verdict in comparison.verdicts():
+        style = "bold red" if verdict.regressed else "bold green" if verdict.better else "bold"
+        lines.append(Text(safe_text("verdict: " + verdict.line()), style=style))
+    return lines
+
+
 def render_comparison(comparison: Comparison, console: Console) -> None:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
@@ -140,9 +191,12 @@ def render_comparison(comparison: Comparison, console: Console) -> None:
         role = "baseline" if i == 0 else f"run {i + 1}"
         grid.add_row(role, Text(safe_text(f"{label}  {run.path}  steps {span}")))
     grid.add_row("aligned by", "step" if comparison.align == "step" else "fraction of training")
-    parts: list = [Panel(grid, title="rlscope compare", title_align="left")]
+    parts: list = [
+        *verdict_lines(comparison),
+        Panel(grid, title="rlscope compare", title_align="left"),
+    ]
     for layer in LAYERS:
-        panel = _layer_panel(comparison, layer)
+        panel = _layer_panel(comparison, layer, console.width)
         if panel is not None:
             parts.append(panel)
     parts.append(_findings_panel(comparison))

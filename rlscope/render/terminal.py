@@ -23,6 +23,7 @@ from rlscope.spec import LAYERS
 BLOCKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 24
 SEVERITY_STYLE = {"critical": "bold red", "warn": "yellow", "info": "cyan"}
+SEVERITY_ORDER = ("critical", "warn", "info")
 STATUS_STYLE = {"ok": "green", "outside": "magenta"}
 
 
@@ -107,21 +108,45 @@ def provenance_rows(meta: dict, width: int = 200) -> list[tuple[str, str]]:
     return rows
 
 
-def _layer_panel(report: Report, layer: str) -> Panel | None:
+#: A panel's border and padding take this many columns of the console's width.
+PANEL_CHROME = 4
+GAP = 2  # between table columns
+VALUE_WIDTH = 10
+MIN_SPARK = 8
+
+
+def table_layout(width: int, id_width: int, status_width: int, logged: bool) -> tuple[int, bool]:
+    """(sparkline width, whether the logged column fits) for a layer table `width` columns
+    wide: the metric id, its value and its status are never cut; the sparkline shrinks (to
+    MIN_SPARK, else 0: dropped) and the trainer's logged value moves below the table first."""
+    fixed = id_width + GAP + VALUE_WIDTH + GAP + status_width
+    for with_logged in (True, False) if logged else (False,):
+        room = width - fixed - (VALUE_WIDTH + GAP if with_logged else 0) - GAP
+        if room >= MIN_SPARK:
+            return min(SPARK_WIDTH, room), with_logged
+    return 0, False
+
+
+def _layer_panel(report: Report, layer: str, width: int) -> Panel | None:
     metrics = [m for m in report.metrics.values() if m.layer == layer]
     skipped = [s for s in report.skipped if s.kind == "metric" and s.layer == layer]
     if not metrics and not skipped:
         return None
-    table = Table(box=None, pad_edge=False, padding=(0, 2))
-    table.add_column("metric", no_wrap=True, min_width=max((len(m.id) for m in metrics), default=6))
-    table.add_column("value", justify="right", no_wrap=True, min_width=10)
-    show_logged = any(m.logged is not None for m in metrics)
+    verdicts = {m.id: report.status(m) for m in metrics}
+    id_width = max((len(m.id) for m in metrics), default=6)
+    status_width = max((len(v[0]) for v in verdicts.values() if v), default=6)
+    has_logged = any(m.logged is not None for m in metrics)
+    spark, show_logged = table_layout(width - PANEL_CHROME, id_width, status_width, has_logged)
+    table = Table(box=None, pad_edge=False, padding=(0, GAP // 2))
+    table.add_column("metric", no_wrap=True, min_width=id_width)
+    table.add_column("value", justify="right", no_wrap=True, min_width=VALUE_WIDTH)
     if show_logged:  # the trainer's own value next to rlscope's recomputation
         table.add_column("logged", justify="right", no_wrap=True)
-    table.add_column("trend", no_wrap=True, min_width=SPARK_WIDTH)
-    table.add_column("status", no_wrap=True)
+    if spark:
+        table.add_column("trend", no_wrap=True, min_width=spark)
+    table.add_column("status", no_wrap=True, min_width=status_width)
     for metric in metrics:
-        verdict = report.status(metric)
+        verdict = verdicts[metric.id]
         if verdict is None:
             state = Text("")
         else:
@@ -130,16 +155,20 @@ def _layer_panel(report: Report, layer: str) -> Panel | None:
                 safe_text(label), style=STATUS_STYLE.get(kind) or SEVERITY_STYLE.get(kind) or ""
             )
         logged = [format_value(metric.logged.value) if metric.logged else ""] if show_logged else []
+        trend = [Text(sparkline(metric.values, spark), style="blue")] if spark else []
         table.add_row(
             Text(safe_text(metric.id), style="bold"),
             Text(format_value(metric.value)),
             *(Text(v) for v in logged),
-            Text(sparkline(metric.values, SPARK_WIDTH), style="blue"),
+            *trend,
             state,
         )
     lines: list = [table] if metrics else []
     for metric in metrics:
         detail = metric_detail(metric)
+        if metric.logged is not None and not show_logged:
+            logged_text = f"logged {metric.logged.column} = {format_value(metric.logged.value)}"
+            detail = "; ".join(p for p in (logged_text, detail) if p)
         if detail:
             lines.append(Text(safe_text(f"{metric.id}: {detail}"), style="dim"))
     for skip in skipped:
@@ -204,16 +233,33 @@ def _findings(report: Report) -> Panel:
     return Panel(body, title="Findings", title_align="left")
 
 
-def render_terminal(report: Report, console: Console) -> None:
-    parts: list = [_header(report)]
-    for layer in LAYERS:
-        panel = _layer_panel(report, layer)
-        if panel is not None:
-            parts.append(panel)
+def summary_line(report: Report) -> Text:
+    """The verdict in one line, first: `2 critical, 1 warn: entropy-collapse, kl-runaway, …`."""
+    if not report.findings:
+        return Text("verdict: no findings (nothing at info level or above)", style="bold green")
+    counts = {s: sum(f.severity == s for f in report.findings) for s in SEVERITY_ORDER}
+    worst = next(s for s in SEVERITY_ORDER if counts[s])
+    text = Text("verdict: ", style="bold")
+    text.append(", ".join(f"{n} {s}" for s, n in counts.items() if n), style=SEVERITY_STYLE[worst])
+    text.append(": " + ", ".join(dict.fromkeys(f.id for f in report.findings)))
+    return text
+
+
+def render_terminal(report: Report, console: Console, *, quiet: bool = False) -> None:
+    """The report; `quiet`: the verdict line and the findings only."""
+    parts: list = [summary_line(report)]
+    if not quiet:
+        parts.append(_header(report))
+        for layer in LAYERS:
+            panel = _layer_panel(report, layer, console.width)
+            if panel is not None:
+                parts.append(panel)
     parts.append(_findings(report))
-    for note in report.notes:
-        parts.append(Text(safe_text(f"note: {note}"), style="dim"))
+    if not quiet:
+        for note in report.notes:
+            parts.append(Text(safe_text(f"note: {note}"), style="dim"))
     for warning in report.warnings:
         parts.append(Text(safe_text(f"warning: {warning}"), style="yellow"))
-    parts.append(Text("`rlscope explain ID` explains any metric or finding.", style="dim"))
+    if not quiet:
+        parts.append(Text("`rlscope explain ID` explains any metric or finding.", style="dim"))
     console.print(Group(*parts))
