@@ -6,13 +6,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow test-all lint format docs samples bench clean
 
+# The test stack (ruff, mypy, pytest, matplotlib, duckdb…); `make demo` needs only rlscope.
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	touch $(STAMP)
+	touch $(STAMP) $(CORE)
 
-demo: $(STAMP)
+CORE := $(VENV)/.installed-core
+$(CORE): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e .
+	touch $(CORE)
+
+demo: $(CORE)
 	$(BIN)/rlscope analyze sample_logs/healthy --fail-on never
 	$(BIN)/rlscope analyze sample_logs/entropy-collapse --fail-on never
 
@@ -32,7 +39,8 @@ format: $(STAMP)
 	$(BIN)/ruff format rlscope tests examples benchmarks
 	$(BIN)/ruff check --fix rlscope tests examples benchmarks
 
-# The README's metric and findings tables, from the catalog (a test keeps them current).
+# The README's metric and findings tables and rlscope/reference.json, from the catalog and the
+# importers (a test keeps them current).
 docs: $(STAMP)
 	$(BIN)/python -m rlscope.docs
 
