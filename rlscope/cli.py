@@ -925,7 +925,8 @@ def report(
 
     Per layer each metric's curve with its healthy band and findings marked at their steps;
     length vs correctness, σ_G over time, pass@k for k = 1…N, entropy decay, faithfulness;
-    several runs are overlaid. Needs matplotlib (`pip install "rlscope[report]"`).
+    several runs are overlaid. Needs matplotlib (`pip install matplotlib`; from a clone of
+    rlscope, `pip install ".[report]"`).
 
     Examples:
 

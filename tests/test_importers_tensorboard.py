@@ -226,4 +226,4 @@ def test_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(builtins, "__import__", fake)
     with pytest.raises(RlscopeError) as info:
         tb._loader()
-    assert "rlscope[tensorboard]" in (info.value.hint or "")
+    assert "pip install tensorboard" in (info.value.hint or "")

@@ -65,7 +65,7 @@ def _loader() -> Any:
     except ImportError:
         raise RlscopeError(
             "reading TensorBoard event files needs the `tensorboard` package",
-            hint=f"pip install 'rlscope[{EXTRA}]'  (or: pip install tensorboard)",
+            hint=f"pip install tensorboard  (from a clone of rlscope: pip install '.[{EXTRA}]')",
         ) from None
     return EventFileLoader
 
@@ -127,7 +127,7 @@ def _number(value: Any) -> float | None:
 def import_tensorboard(session: Session) -> None:
     """TensorBoard event files (`events.out.tfevents.*`, in DIR or any folder below it, or one
     such file) -> the steps table only. Needs the `tensorboard` package
-    (`pip install 'rlscope[tensorboard]'`). Every file's scalars are read with TensorBoard's
+    (`pip install tensorboard`). Every file's scalars are read with TensorBoard's
     own `EventFileLoader` (no sampling); several values of one tag at one step (a resumed run,
     several files) keep the last one read.
 

@@ -256,7 +256,7 @@ def _token_counter(path: str | None) -> Callable[[list[str]], list[int]] | None:
     except ImportError:
         raise RlscopeError(
             "the tokenizer option needs the `tokenizers` library",
-            hint='pip install "rlscope[verl]"',
+            hint='pip install tokenizers pyyaml  (from a clone of rlscope: pip install ".[verl]")',
         ) from None
     try:
         tokenizer = Tokenizer.from_file(str(path))
@@ -678,7 +678,7 @@ VERL = Importer(
             "str",
             None,
             "path to the model's tokenizer.json: exact token "
-            "counts (needs the `tokenizers` library: rlscope[verl]; no network)",
+            "counts (needs the `tokenizers` library, `pip install tokenizers`; no network)",
         ),
         Option(
             "answer_pattern",

@@ -40,7 +40,8 @@ def _matplotlib() -> Any:
         import matplotlib
     except ImportError:
         raise RlscopeError(
-            "the HTML report needs matplotlib", hint='pip install "rlscope[report]"'
+            "the HTML report needs matplotlib",
+            hint='pip install matplotlib  (from a clone of rlscope: pip install ".[report]")',
         ) from None
     return matplotlib
 
