@@ -920,13 +920,23 @@ def report(
     config: ConfigOption = None,
     from_format: FromOption = None,
     option: ImportOption = None,
+    smooth: Annotated[
+        int | None,
+        typer.Option(
+            help="Rolling-mean window (steps) drawn over each raw series; 0: raw only "
+            "(default: ~5% of the steps).",
+            metavar="STEPS",
+        ),
+    ] = None,
 ) -> None:
     """Write one self-contained HTML report (inline SVG, no script, opens offline).
 
-    Per layer each metric's curve with its healthy band and findings marked at their steps;
-    length vs correctness, σ_G over time, pass@k for k = 1…N, entropy decay, faithfulness;
-    several runs are overlaid. Needs matplotlib (`pip install matplotlib`; from a clone of
-    rlscope, `pip install ".[report]"`).
+    The verdict and the findings first, each with the chart that shows it (its window shaded)
+    and links to the rollouts it names; with several runs, the comparison with the first
+    (delta, interval, verdict); then each layer's curves (folded unless flagged) with healthy
+    bands and rolling means; reward per function, length vs correctness, σ_G over time,
+    pass@k for k = 1…N, entropy decay, faithfulness; several runs are overlaid. Needs
+    matplotlib (`pip install matplotlib`; from a clone of rlscope, `pip install ".[report]"`).
 
     Examples:
 
@@ -953,6 +963,7 @@ def report(
                 config=load_config(config),
                 from_format=from_format,
                 import_options=options,
+                smooth=smooth,
             )
     except RlscopeError as exc:
         _fail(exc)

@@ -24,6 +24,8 @@ ALIGNS = ("step", "progress")
 BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
 SEED = 0
+#: A difference this small relative to the values (float summation order) is no difference.
+FLOAT_TOLERANCE = 1e-9
 #: Fewest per-step values resampled from each run's final window.
 MIN_WINDOW_POINTS = MIN_STEPS
 
@@ -355,8 +357,9 @@ def _versus(
     verdict = ""
     if interval is not None:
         low, high = interval
-        if low <= 0 <= high:
-            verdict = "noise"
+        scale = max((abs(v) for v in (*base_values, *values) if v is not None), default=0.0)
+        if low <= 0 <= high or max(abs(low), abs(high)) <= FLOAT_TOLERANCE * scale:
+            verdict = "noise"  # (a difference in the last bits of two equal series is none)
         elif not better:
             verdict = "differs"
         else:

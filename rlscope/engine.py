@@ -371,6 +371,7 @@ def compute(
             logged=_logged_result(logged.get(metric_id), aggregates.get(("steps", ""))),
             band=metric.band,
             better=metric.better,
+            unit=metric.unit,
         )
     computed = Computed(
         results, frames, tuple(skipped), aggregates, context, tuple(warnings), scan_stats

@@ -1,9 +1,11 @@
-"""Data for the report's diagnostic plots (length bins, σ_G histograms, pass@k for k = 1…N)."""
+"""The report's extra data: length bins, σ_G histograms, pass@k, the findings' example rollouts."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -45,22 +47,49 @@ class PassCurve:
     final_steps: tuple[int, int]
 
 
+#: Characters of an example rollout's response shown in the report (the rest: `rlscope show`).
+EXAMPLE_CHARS = 1200
+EXAMPLE_COLUMNS = ("rollout_id", "step", "split", "prompt_id", "reward", "correct", "response")
+
+
 @dataclass(frozen=True)
 class PlotData:
-    """What the report plots besides the metric series; None where the run lacks the inputs."""
+    """What the report plots besides the metric series; None where the run lacks the inputs.
+    `examples`: the rollouts the findings name, rollout_id -> their row (response cut to
+    EXAMPLE_CHARS characters)."""
 
     length: LengthBins | None
     sigma: SigmaHistogram | None
     pass_k: PassCurve | None
+    examples: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def plot_data(
-    path: str | os.PathLike[str], *, steps: tuple[int | None, int | None] = (None, None)
+    path: str | os.PathLike[str],
+    *,
+    steps: tuple[int | None, int | None] = (None, None),
+    examples: Iterable[int] = (),
 ) -> PlotData:
-    """Scan the run's train rollouts (streaming) into the report's extra plot data."""
+    """Scan the run's train rollouts (streaming) into the report's extra plot data, and read
+    the rollouts `examples` names."""
     run = open_run(path, steps=steps)
     if "rollouts" not in run.tables:  # step metrics only: no rollout plots
         return PlotData(None, None, None)
+    wanted = sorted(set(examples))
+    shown: dict[int, dict[str, Any]] = {}
+    if wanted:
+        columns = [c for c in EXAMPLE_COLUMNS if run.has("rollouts", c)]
+        text = pl.col("response").str.slice(0, EXAMPLE_CHARS) if "response" in columns else None
+        rows = (
+            run.scan("rollouts")
+            .filter(pl.col("rollout_id").is_in(wanted))
+            .select([text if c == "response" and text is not None else pl.col(c) for c in columns])
+        )
+        try:
+            found = rows.collect(engine="streaming")
+        except (pl.exceptions.PolarsError, OSError) as exc:
+            raise scan_error(run, ["rollouts"], "reading example rollouts", exc) from None
+        shown = {int(r["rollout_id"]): r for r in found.to_dicts()}
     rollouts = run.scan("rollouts").filter(valid_rollout() & (pl.col("split") == "train"))
     groups_query = rollouts.group_by("step", "prompt_id").agg(
         pl.len().cast(pl.Int64).alias("n"),
@@ -87,7 +116,7 @@ def plot_data(
     except (pl.exceptions.PolarsError, OSError) as exc:
         raise scan_error(run, ["rollouts"], "reading rollouts for the report", exc) from None
     group_size = run.meta.get("group_size")
-    return PlotData(lengths, _sigma(groups), _pass_curve(groups, group_size))
+    return PlotData(lengths, _sigma(groups), _pass_curve(groups, group_size), shown)
 
 
 def _length_bins(binned: pl.DataFrame, width: float) -> LengthBins:

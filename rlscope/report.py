@@ -50,6 +50,7 @@ class MetricResult:
     # The metric's declared healthy band (low, high; None = open) and better direction.
     band: tuple[float | None, float | None] | None = None
     better: str = ""
+    unit: str = ""  # "share": a proportion in [0, 1]
 
     def outside_band(self) -> bool:
         """The final-window value lies outside the declared healthy band."""
@@ -193,6 +194,7 @@ class Report:
                     "severity": f.severity,
                     "layer": f.layer,
                     "message": f.message,
+                    "remedy": f.remedy,
                     "evidence": json_safe(f.evidence),
                 }
                 for f in self.findings

@@ -25,6 +25,8 @@ SEVERITIES: tuple[Severity, ...] = get_args(Severity)
 Unit = Literal["", "share"]
 #: Which direction of a metric is healthier; "" when a band (or nothing) says.
 Better = Literal["", "up", "down"]
+#: How a finding's evidence `steps` read: a window (its first and last step) or each step named.
+Marks = Literal["window", "points"]
 #: The tables of format v1 a metric can be computed from.
 Table = Literal["steps", "rollouts", "tokens", "probes"]
 
@@ -214,6 +216,7 @@ class Rule:
     # Metrics whose frames only supply the example rollouts a finding names: computed with the
     # rule, never judged by it (a rule reads computed results only, it never scans the run).
     examples_from: tuple[str, ...] = ()
+    marks: Marks = "window"
 
     @property
     def computes(self) -> tuple[str, ...]:
@@ -245,6 +248,7 @@ class Rule:
             "remedy": self.remedy,
             "reads": list(self.metrics),
             "examples_from": list(self.examples_from),
+            "steps_are": self.marks,
             "thresholds": {n: {"default": p.default, "doc": p.doc} for n, p in self.params.items()},
         }
 
@@ -266,6 +270,8 @@ class Finding:
     layer: Layer
     message: str
     evidence: Mapping[str, Any] = field(default_factory=dict)
+    remedy: str = ""  # what to try (the rule's)
+    marks: Marks = "window"  # how `steps` read (the rule's)
 
     def __post_init__(self) -> None:
         check_evidence(self.id, self.evidence)
@@ -352,6 +358,7 @@ class Declarations:
         severity: Severity = "warn",
         brief: str = "",
         examples_from: tuple[str, ...] = (),
+        marks: Marks = "window",
     ) -> Callable[[RuleFn], RuleFn]:
         """Declare the decorated function as the check of the rule `id`."""
 
@@ -368,6 +375,7 @@ class Declarations:
                 severity,
                 brief,
                 examples_from,
+                marks,
             )
             self.rules.append(rule)
             return fn

@@ -41,6 +41,21 @@ def test_bootstrap_interval_is_deterministic_and_calls_only_real_differences() -
     assert bootstrap_difference(base[:2], higher) is None
 
 
+def test_equal_series_up_to_float_noise_are_not_a_difference() -> None:
+    """Two runs with the same constant learning rate, summed in another order, differ by 1e-22:
+    not `differs` (found by looking at the HTML report's comparison table)."""
+    from rlscope.comparison import RunMetric, _versus
+
+    base = [1e-6] * 10
+    noisy = [1e-6 + 2e-22] * 10
+    run = RunMetric(noisy[0], tuple(range(10)), tuple(range(10)), tuple(noisy))
+    assert _versus(run, base, noisy, base[0], "").verdict == "noise"
+    assert _versus(run, base, noisy, base[0], "up").verdict == "noise"
+    apart = [1.01e-6] * 10
+    run = RunMetric(apart[0], tuple(range(10)), tuple(range(10)), tuple(apart))
+    assert _versus(run, base, apart, base[0], "").verdict == "differs"
+
+
 def test_final_window_takes_the_last_tenth_but_at_least_three_points() -> None:
     assert final_window([1.0, None, 2.0, 3.0, 4.0]) == [2.0, 3.0, 4.0]
     assert final_window([float(i) for i in range(50)]) == [45.0, 46.0, 47.0, 48.0, 49.0]

@@ -167,7 +167,7 @@ def test_faithfulness_curve_is_plotted_when_present(runs: tuple[Path, Path]) -> 
     tags = assert_inert(page)
     start = page.index('id="chart-faithfulness"')
     assert "<svg" in page[start : start + 400] and "no probes" not in page
-    assert ("h2", {"id": "L6"}) in tags.tags
+    assert ("details", {"id": "L6"}) in tags.tags  # a layer: folded unless flagged
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
@@ -238,3 +238,50 @@ def test_report_output_errors_come_before_any_analysis(
     assert folder.returncode == 2 and "is a directory" in folder.stderr
     missing = rlscope("report", str(healthy), "-o", str(tmp_path / "no" / "r.html"))
     assert missing.returncode == 2 and "no such folder" in missing.stderr
+
+
+TRL_RUN = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "trl-real" / "lr-too-high"
+SHOTS = Path(__file__).resolve().parent.parent / ".screenshots"  # gitignored: for a person
+
+
+@pytest.fixture(scope="module")
+def pages(runs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The report of one run, of two runs, and of the real TRL fixture (when present)."""
+    folder = tmp_path_factory.mktemp("pages")
+    out = {
+        "one": write_report([runs[1]], folder / "one.html"),
+        "two": write_report(list(runs), folder / "two.html"),
+    }
+    if TRL_RUN.is_dir():
+        out["trl"] = write_report([TRL_RUN], folder / "trl.html", from_format="trl")
+    return out
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
+@pytest.mark.parametrize("width", [1400, 390])
+@pytest.mark.parametrize("name", ["one", "two", "trl"])
+def test_report_layout_in_chromium(
+    pages: dict[str, Path], name: str, width: int, tmp_path: Path
+) -> None:
+    """Measured in the browser at a desktop and a phone width: the findings come first, no chart
+    label is cut by its chart, no legend lies on a plotting area, nothing scrolls sideways; a
+    screenshot of each is kept in .screenshots/ for a person to look at."""
+    from chromium import LAYOUT, Browser
+
+    if name not in pages:
+        pytest.skip(f"{TRL_RUN} is absent (shared fixtures sit beside the checkout)")
+    with Browser(tmp_path / "profile") as browser:
+        page = browser.open(pages[name].as_uri(), width)
+        facts = page.evaluate(LAYOUT)
+        SHOTS.mkdir(exist_ok=True)
+        page.screenshot(SHOTS / f"report-{name}-{width}.png")
+    assert facts["title"] == "rlscope report"
+    assert facts["order"][0] == "Findings", facts["order"][:3]
+    if name == "two":
+        assert facts["order"][1] == "Comparison with the baseline"
+    assert facts["charts"] >= 15 and facts["labels"] > 10 * facts["charts"]
+    assert facts["legends"] > 0
+    assert facts["clipped"] == [], facts["clipped"][:5]
+    assert facts["covered"] == [], facts["covered"][:5]
+    overflow = facts["scrollWidth"] - width
+    assert overflow <= 0, f"{overflow} px of horizontal scroll at {width} px"

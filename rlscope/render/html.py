@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rlscope._version import __version__
+from rlscope.comparison import Comparison
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.plots import PlotData, plot_data
@@ -65,7 +66,7 @@ class _Charts:
     def figure(self, width: float = 5.0, height: float = 2.4) -> Any:
         # Fixed margins: a constrained layout doubles the time per chart.
         fig = self.Figure(figsize=(width, height))
-        fig.subplots_adjust(left=0.11, right=0.97, top=0.93, bottom=0.17)
+        fig.subplots_adjust(left=0.8 / width, right=1 - 0.15 / width, top=0.93, bottom=0.17)
         return fig
 
     def svg(self, fig: Any) -> str:
@@ -88,6 +89,38 @@ def _style(ax: Any) -> None:
     ax.tick_params(labelsize=7)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
+    # Tiny values read as themselves: no "1e-5" offset or multiplier above the axis that makes
+    # 0.00008 look like 8.
+    from matplotlib.ticker import FuncFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.3g}"))
+
+
+def _finish(fig: Any, ax: Any, xlabel: str, ylabel: str, *, legend: bool = True) -> None:
+    """Axis labels, and the legend below the plot area (never over the data)."""
+    ax.set_xlabel(xlabel, fontsize=7)
+    ax.set_ylabel(ylabel, fontsize=7)
+    handles, names = ax.get_legend_handles_labels()
+    if not (legend and handles):
+        return
+    # An entry is its handle (~0.45 in) plus ~0.055 in a character at 6 pt: as many columns
+    # as fit the figure's width, so no entry runs past the edge.
+    entry = 0.45 + 0.055 * max(len(n) for n in names)
+    columns = max(1, min(3, len(handles), int(0.95 * fig.get_figwidth() // entry)))
+    rows = -(-len(handles) // columns)
+    height = fig.get_figheight()
+    # Each legend row takes ~0.17 in at 6 pt, under the x label (~0.45 in from the bottom).
+    bottom = (0.45 + 0.17 * rows) / height
+    fig.subplots_adjust(bottom=bottom)
+    fig.legend(
+        handles,
+        names,
+        loc="lower center",
+        ncol=columns,
+        fontsize=6,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.0),
+    )
 
 
 def _x(report: Report, steps: Sequence[int | float], align: str) -> list[float]:
@@ -103,17 +136,95 @@ def _xlabel(align: str) -> str:
     return "step" if align == "step" else "fraction of training"
 
 
+def _ylabel(metric: MetricResult) -> str:
+    """The metric's title and its unit, in at most two lines that fit beside the axis."""
+    import textwrap
+
+    text = f"{metric.title} (share)" if metric.unit == "share" else metric.title
+    lines = textwrap.wrap(text, 30)
+    if len(lines) > 2:
+        lines = [lines[0], textwrap.shorten(" ".join(lines[1:]), 30, placeholder="…")]
+    return "\n".join(lines)
+
+
+def smoothing_window(n: int, smooth: int | None) -> int:
+    """The rolling-mean window for a series of `n` steps: `smooth` when given (0 or 1: none),
+    else ~5% of the steps (odd, at least 3), none for fewer than 12 steps."""
+    if smooth is not None:
+        return max(smooth, 1)
+    return 1 if n < 12 else max(3, round(n / 20)) | 1
+
+
+def rolling_mean(values: Sequence[float | None], window: int) -> list[float]:
+    """Centred rolling mean over the defined values (the window shrinks at the ends); NaN
+    where a window holds no value."""
+    import numpy as np
+
+    y = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+    if window <= 1:
+        return [float(v) for v in y]
+    defined = np.isfinite(y)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(defined, y, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(defined)])
+    half = window // 2
+    out = []
+    for i in range(len(y)):
+        a, b = max(0, i - half), min(len(y), i + half + 1)
+        n = counts[b] - counts[a]
+        out.append(float((sums[b] - sums[a]) / n) if n else float("nan"))
+    return out
+
+
+def _series(
+    ax: Any,
+    xs: Sequence[float],
+    values: Sequence[float | None],
+    color: str,
+    label: str | None,
+    smooth: int | None,
+    **style: Any,
+) -> None:
+    """The raw series, faint under its rolling mean when there is one (`label` None: no legend
+    entry)."""
+    window = smoothing_window(len(values), smooth)
+    raw = [float("nan") if v is None else v for v in values]
+    if window <= 1:
+        ax.plot(xs, raw, color=color, linewidth=1.2, label=label, **style)
+        return
+    ax.plot(xs, raw, color=color, linewidth=0.7, alpha=0.3, **style)
+    ax.plot(xs, rolling_mean(values, window), color=color, linewidth=1.4, label=label, **style)
+
+
+def _mark_findings(ax: Any, report: Report, metric_id: str, align: str) -> None:
+    """Each finding naming the metric: its window shaded in its severity's colour."""
+    for finding in report.findings:
+        if not finding.names(metric_id) or not finding.steps:
+            continue
+        color = SEVERITY_COLORS.get(finding.severity, "#555")
+        label = _label(f"{finding.id} ({finding.severity})")
+        if finding.marks == "window" and len(set(finding.steps)) > 1:
+            first, last = _x(report, [min(finding.steps), max(finding.steps)], align)
+            ax.axvspan(first, last, color=color, alpha=0.13, label=label)
+            continue
+        for n, x in enumerate(_x(report, sorted(set(finding.steps)), align)):
+            ax.axvline(x, color=color, linestyle="--", linewidth=1, label=None if n else label)
+
+
 def _metric_chart(
     charts: _Charts,
     metric_id: str,
     reports: Sequence[Report],
     labels: Sequence[str],
     align: str,
+    smooth: int | None,
+    *,
+    size: tuple[float, float] = (5.0, 2.6),
 ) -> str:
-    fig = charts.figure()
+    fig = charts.figure(*size)
     ax = fig.subplots()
     _style(ax)
-    band = next(r.metrics[metric_id] for r in reports if metric_id in r.metrics).band
+    first = next(r.metrics[metric_id] for r in reports if metric_id in r.metrics)
+    band = first.band
     if band is not None:
         low, high = band
         ax.axhspan(
@@ -130,46 +241,42 @@ def _metric_chart(
             continue
         color = COLORS[i % len(COLORS)]
         xs = _x(report, metric.steps, align)
-        ys = [float("nan") if v is None else v for v in metric.values]
-        ax.plot(xs, ys, color=color, linewidth=1.2, label=_label(labels[i]))
+        name = _label(labels[i]) if len(reports) > 1 else None  # one run: the swatch says
+        _series(ax, xs, metric.values, color, name, smooth)
         defined = [v for v in metric.values if v is not None]
-        lows.append(min(defined))
-        highs.append(max(defined))
+        if defined:
+            lows.append(min(defined))
+            highs.append(max(defined))
         if metric.logged is not None and len(reports) == 1:
-            logged = [float("nan") if v is None else v for v in metric.logged.values]
-            ax.plot(
+            _series(
+                ax,
                 _x(report, metric.logged.steps, align),
-                logged,
-                color=color,
+                metric.logged.values,
+                "#616161",
+                _label(f"trainer's logged {metric.logged.column}"),
+                smooth,
                 linestyle=":",
-                linewidth=1,
-                label=_label(f"logged {metric.logged.column}"),
             )
-        for finding in report.findings:
-            if not finding.names(metric_id):
-                continue
-            marks = list(finding.steps)
-            for x in _x(report, marks, align):
-                ax.axvline(
-                    x, color=SEVERITY_COLORS.get(finding.severity, "#555"), linestyle="--", lw=1
-                )
-            if marks:
-                ax.annotate(
-                    finding.id,
-                    xy=(_x(report, marks[:1], align)[0], 1.0),
-                    xycoords=("data", "axes fraction"),
-                    fontsize=7,
-                    color=SEVERITY_COLORS.get(finding.severity, "#555"),
-                    va="top",
-                )
+        _mark_findings(ax, report, metric_id, align)
     if lows and band is not None:  # keep the data in view, not the open end of the band
         span = max(highs) - min(lows)
         pad = span * 0.1 if span > 0 else max(abs(max(highs)), 1.0) * 0.1
-        ax.set_ylim(min(lows) - pad, max(highs) + pad)
-    ax.set_xlabel(_xlabel(align), fontsize=7)
-    if len(reports) > 1 or band is not None:
-        ax.legend(fontsize=6, loc="upper right", framealpha=0.6)
+        low, high = min(lows) - pad, max(highs) + pad
+        if first.unit == "share":  # a share never leaves [0, 1]: no axis below 0
+            low, high = max(low, -0.02), min(high, 1.02)
+        ax.set_ylim(low, high)
+    _finish(fig, ax, _xlabel(align), _ylabel(first))
     return charts.svg(fig)
+
+
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a proportion (honest for the thin bins at the length tail)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def _length_charts(
@@ -178,6 +285,7 @@ def _length_charts(
     data: Sequence[PlotData],
     labels: Sequence[str],
     align: str,
+    smooth: int | None,
 ) -> list[tuple[str, str]]:
     out = []
     if any(d.length is not None for d in data):
@@ -187,16 +295,36 @@ def _length_charts(
         for i, d in enumerate(data):
             if d.length is None:
                 continue
-            mids = [(a + b) / 2 for a, b in itertools.pairwise(d.length.edges)]
-            acc = [float("nan") if v is None else v for v in d.length.accuracy]
-            ax.plot(
-                mids, acc, marker="o", ms=3, color=COLORS[i % len(COLORS)], label=_label(labels[i])
+            mids, accs, lows, highs = [], [], [], []
+            for (a, b), n, acc in zip(
+                itertools.pairwise(d.length.edges), d.length.counts, d.length.accuracy, strict=True
+            ):
+                if not n or acc is None:
+                    continue
+                low, high = wilson(acc * n, n)
+                mids.append((a + b) / 2)
+                accs.append(acc)
+                lows.append(max(0.0, acc - low))
+                highs.append(max(0.0, high - acc))
+            ax.errorbar(
+                mids,
+                accs,
+                yerr=[lows, highs],
+                marker="o",
+                ms=3,
+                capsize=2,
+                linewidth=1,
+                color=COLORS[i % len(COLORS)],
+                label=_label(labels[i]),
             )
-        ax.set_xlabel("response length (tokens, bin centre)", fontsize=7)
-        ax.set_ylabel("accuracy", fontsize=7)
-        ax.legend(fontsize=6, loc="upper right", framealpha=0.6)
+        ax.set_ylim(-0.02, 1.02)
+        _finish(fig, ax, "response length (tokens, bin centre)", "accuracy", legend=len(data) > 1)
         out.append(
-            ("Accuracy by response length (train rollouts, equal-width bins)", charts.svg(fig))
+            (
+                "Accuracy by response length (train rollouts, equal-width bins; bars: 95% "
+                "interval, wide where a bin holds few rollouts)",
+                charts.svg(fig),
+            )
         )
     pairs = ("behavior.response_len_correct", "behavior.response_len_incorrect")
     if any(m in r.metrics for r in reports for m in pairs):
@@ -210,49 +338,65 @@ def _length_charts(
                 metric = report.metrics.get(metric_id)
                 if metric is None:
                     continue
-                ys = [float("nan") if v is None else v for v in metric.values]
-                ax.plot(
-                    _x(report, metric.steps, align),
-                    ys,
+                name = f"{labels[i]} {word}" if len(reports) > 1 else word
+                xs = _x(report, metric.steps, align)
+                _series(
+                    ax,
+                    xs,
+                    metric.values,
+                    COLORS[i % len(COLORS)],
+                    _label(name),
+                    smooth,
                     linestyle=style,
-                    lw=1.2,
-                    color=COLORS[i % len(COLORS)],
-                    label=_label(f"{labels[i]} {word}"),
                 )
-        ax.set_xlabel(_xlabel(align), fontsize=7)
-        ax.set_ylabel("mean length", fontsize=7)
-        ax.legend(fontsize=6, loc="upper right", framealpha=0.6)
+        _finish(fig, ax, _xlabel(align), "mean length (tokens)")
         out.append(("Length of correct (solid) vs incorrect (dashed) responses", charts.svg(fig)))
     return out
 
 
-def _sigma_chart(charts: _Charts, d: PlotData, label: str) -> str | None:
-    if d.sigma is None:
-        return None
+def _sigma_charts(charts: _Charts, data: Sequence[PlotData], labels: Sequence[str]) -> list[str]:
+    """One heatmap per run on one colour scale and one σ range (so runs compare by eye)."""
     import numpy as np
 
-    fig = charts.figure()
-    ax = fig.subplots()
-    counts = np.array(d.sigma.counts, dtype=float).T  # bins x steps
-    totals = counts.sum(axis=0, keepdims=True)
-    shares = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
-    steps = list(d.sigma.steps)
-    extent = (steps[0], steps[-1] + 1, d.sigma.edges[0], d.sigma.edges[-1])
-    # A raster (embedded PNG) keeps the file small however many steps there are.
-    mesh = ax.imshow(
-        shares,
-        origin="lower",
-        aspect="auto",
-        extent=extent,
-        cmap="viridis",
-        interpolation="nearest",
-    )
-    fig.colorbar(mesh, ax=ax, label="share of groups")
-    ax.set_xlabel("step", fontsize=7)
-    ax.set_ylabel("σ_G", fontsize=7)
-    ax.set_title(_label(label), fontsize=8)
-    ax.tick_params(labelsize=7)
-    return charts.svg(fig)
+    found = [(i, d.sigma) for i, d in enumerate(data) if d.sigma is not None]
+    if not found:
+        return []
+    grids = []
+    for _, sigma in found:
+        counts = np.array(sigma.counts, dtype=float).T  # bins x steps
+        totals = counts.sum(axis=0, keepdims=True)
+        grids.append(np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0))
+    top = max(float(g.max()) for g in grids) or 1.0
+    tops = [sigma.edges[-1] for _, sigma in found]
+    # One σ range too when the runs' rewards are on one scale (one reward outlier of 25 would
+    # squash a 0/1 run into a strip: then each keeps its own).
+    shared = max(tops) if max(tops) <= 2 * min(tops) else None
+    out = []
+    for (i, sigma), shares in zip(found, grids, strict=True):
+        fig = charts.figure()
+        ax = fig.subplots()
+        steps = list(sigma.steps)
+        extent = (steps[0], steps[-1] + 1, sigma.edges[0], sigma.edges[-1])
+        # A raster (embedded PNG) keeps the file small however many steps there are.
+        mesh = ax.imshow(
+            shares,
+            origin="lower",
+            aspect="auto",
+            extent=extent,
+            cmap="viridis",
+            interpolation="nearest",
+            vmin=0.0,
+            vmax=top,
+        )
+        ax.set_ylim(0.0, shared if shared is not None else sigma.edges[-1])
+        bar = fig.colorbar(mesh, ax=ax)
+        bar.set_label("share of groups", fontsize=7)
+        bar.ax.tick_params(labelsize=6)
+        ax.tick_params(labelsize=7)
+        _finish(fig, ax, "step", "σ_G (reward std in a group)", legend=False)
+        out.append(charts.svg(fig))
+        del i
+    return out
 
 
 def _pass_chart(charts: _Charts, data: Sequence[PlotData], labels: Sequence[str]) -> str | None:
@@ -266,6 +410,7 @@ def _pass_chart(charts: _Charts, data: Sequence[PlotData], labels: Sequence[str]
             continue
         color = COLORS[i % len(COLORS)]
         curve = d.pass_k
+        prefix = f"{labels[i]} " if len(data) > 1 else ""
         for values, style, (a, b) in (
             (curve.early, "--", curve.early_steps),
             (curve.final, "-", curve.final_steps),
@@ -278,16 +423,58 @@ def _pass_chart(charts: _Charts, data: Sequence[PlotData], labels: Sequence[str]
                 marker="o",
                 ms=3,
                 color=color,
-                label=_label(f"{labels[i]} steps {a}–{b}"),
+                label=_label(f"{prefix}steps {a}–{b}"),
             )
-    ax.set_xlabel("k", fontsize=7)
-    ax.set_ylabel("pass@k", fontsize=7)
-    ax.legend(fontsize=6, loc="lower right", framealpha=0.6)
+    _finish(fig, ax, "k (samples per prompt)", "pass@k")
+    return charts.svg(fig)
+
+
+def _reward_chart(
+    charts: _Charts,
+    reports: Sequence[Report],
+    labels: Sequence[str],
+    align: str,
+    smooth: int | None,
+) -> str | None:
+    """Each reward function's mean (signal.reward.<name>) with the total: the curves TRL and W&B
+    users look at first (a format reward saturating while accuracy stalls is visible here)."""
+    terms = [
+        (i, m)
+        for i, r in enumerate(reports)
+        for m in r.metrics.values()
+        if m.id.startswith("signal.reward.")
+    ]
+    if not terms:
+        return None
+    fig = charts.figure(5.0, 2.9)
+    ax = fig.subplots()
+    _style(ax)
+    names = list(dict.fromkeys(m.id.removeprefix("signal.reward.") for _, m in terms))
+    styles = ["-", "--", ":", "-."]
+    for i, metric in terms:
+        name = metric.id.removeprefix("signal.reward.")
+        who = f"{labels[i]} " if len(reports) > 1 else ""
+        color = COLORS[(names.index(name) if len(reports) == 1 else i) % len(COLORS)]
+        style = styles[names.index(name) % len(styles)] if len(reports) > 1 else "-"
+        _series(
+            ax,
+            _x(reports[i], metric.steps, align),
+            metric.values,
+            color,
+            _label(f"{who}{name}"),
+            smooth,
+            linestyle=style,
+        )
+    _finish(fig, ax, _xlabel(align), "mean reward of the function")
     return charts.svg(fig)
 
 
 def _entropy_chart(
-    charts: _Charts, reports: Sequence[Report], labels: Sequence[str], align: str
+    charts: _Charts,
+    reports: Sequence[Report],
+    labels: Sequence[str],
+    align: str,
+    smooth: int | None,
 ) -> str | None:
     if not any("behavior.entropy" in r.metrics for r in reports):
         return None
@@ -300,15 +487,10 @@ def _entropy_chart(
             continue
         color = COLORS[i % len(COLORS)]
         xs = _x(report, metric.steps, align)
-        ys = [float("nan") if v is None else v for v in metric.values]
-        ax.plot(xs, ys, color=color, lw=1.2, label=_label(labels[i]))
-        collapse = [f.steps for f in report.findings if f.id == "entropy-collapse" and f.steps]
-        if collapse:  # where the finding saw the entropy go
-            first, last = _x(report, [min(collapse[0]), max(collapse[0])], align)
-            ax.axvspan(first, last, color=color, alpha=0.12)
-    ax.set_xlabel(_xlabel(align), fontsize=7)
-    ax.set_ylabel("entropy (nats)", fontsize=7)
-    ax.legend(fontsize=6, loc="upper right", framealpha=0.6)
+        name = _label(labels[i]) if len(reports) > 1 else None
+        _series(ax, xs, metric.values, color, name, smooth)
+        _mark_findings(ax, report, "behavior.entropy", align)
+    _finish(fig, ax, _xlabel(align), "entropy (nats per token)")
     return charts.svg(fig)
 
 
@@ -330,25 +512,53 @@ def _faithfulness_chart(
         xs = [float(v) for v in curve["fraction"]]
         ys = [float("nan") if v is None else float(v) for v in curve["unchanged"]]
         ax.plot(xs, ys, marker="o", ms=3, color=COLORS[i % len(COLORS)], label=_label(labels[i]))
-    ax.set_xlabel("share of the chain of thought kept", fontsize=7)
-    ax.set_ylabel("answers unchanged", fontsize=7)
     ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=6, loc="upper right", framealpha=0.6)
+    _finish(
+        fig,
+        ax,
+        "share of the chain of thought kept",
+        "answers unchanged (share)",
+        legend=len(reports) > 1,
+    )
     return charts.svg(fig)
 
 
 # -- page -----------------------------------------------------------------------------------
 
 _CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#212121}
-h1{font-size:22px}h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
-table{border-collapse:collapse;font-size:13px}td,th{padding:3px 10px;border-bottom:1px solid #eee;
-text-align:left}.grid{display:flex;flex-wrap:wrap;gap:16px}
-figure.chart{margin:0;width:520px;border:1px solid #eee;padding:6px}
-figure.chart svg{width:100%;height:auto}figcaption{font-size:12px;margin-bottom:4px}
-.critical{color:#c62828;font-weight:bold}.warn{color:#ef6c00;font-weight:bold}.info{color:#0277bd}
+*{box-sizing:border-box}p,li,summary,figcaption{overflow-wrap:anywhere}
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#212121;
+background:#fafafa}
+main{max-width:1400px;margin:0 auto;padding:16px}
+h1{font-size:22px;margin:4px 0 8px}h2{font-size:18px;margin:28px 0 8px}
+table{border-collapse:collapse;font-size:13px}td,th{padding:3px 8px;border-bottom:1px solid #eee;
+text-align:left;vertical-align:top}.scroll{overflow-x:auto;max-width:100%}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,430px),1fr));gap:12px}
+figure.chart{margin:0;background:#fff;border:1px solid #e6e6e6;border-radius:6px;padding:8px;
+min-width:0}
+figure.chart svg{width:100%;height:auto;display:block}figcaption{font-size:12px;margin-bottom:4px}
+.card{display:flex;flex-wrap:wrap;gap:12px;background:#fff;border:1px solid #e6e6e6;
+border-left:6px solid #999;border-radius:6px;padding:10px;margin:0 0 12px}
+.card.critical{border-left-color:#c62828}.card.warn{border-left-color:#ef6c00}
+.card.info{border-left-color:#0277bd}.card .text{flex:1 1 320px;min-width:0}
+.card .plot{flex:2 1 460px;min-width:0}.card .plot svg{width:100%;height:auto;display:block}
+.badge{display:inline-block;padding:1px 8px;border-radius:10px;color:#fff;font-size:12px;
+font-weight:bold;margin-right:6px}.badge.critical{background:#c62828}
+.badge.warn{background:#ef6c00}.badge.info{background:#0277bd}
+.verdict{font-size:15px;font-weight:bold;margin:6px 0}.verdict.bad{color:#c62828}
+.verdict.good{color:#2e7d32}
+td.worse{color:#c62828;font-weight:bold}td.better{color:#2e7d32;font-weight:bold}
+td.differs{color:#8e24aa}table.runs td{white-space:nowrap}
+table.runs code{overflow-wrap:normal}
 .swatch{display:inline-block;width:12px;height:12px;margin-right:6px;vertical-align:middle}
-.dim{color:#757575;font-size:12px}code{font-size:12px}
+.dim{color:#6b6b6b;font-size:12px}code{font-size:12px;overflow-wrap:anywhere}
+details{background:#fff;border:1px solid #e6e6e6;border-radius:6px;padding:6px 10px;
+margin:0 0 10px}summary{cursor:pointer;font-weight:bold;font-size:16px;padding:4px 0}
+pre{white-space:pre-wrap;overflow-wrap:anywhere;font-size:12px;background:#f5f5f5;padding:8px;
+border-radius:4px;max-height:320px;overflow-y:auto}
+article.rollout{background:#fff;border:1px solid #e6e6e6;border-radius:6px;padding:8px;
+margin:0 0 10px}
+@media (max-width:600px){main{padding:8px}h1{font-size:19px}}
 """
 
 
@@ -369,72 +579,226 @@ def _fmt(value: float | None) -> str:
     return format_value(value)
 
 
-def _findings_html(report: Report, label: str) -> str:
-    if not report.findings:
-        return f"<p>{_e(label)}: no findings.</p>"
-    rows = "".join(
-        f'<tr><td class="{_e(f.severity)}">{_e(f.severity)}</td><td><code>{_e(f.id)}</code>'
-        f"</td><td>{_e(f.layer)}</td><td>{_e(f.message)}</td><td>{_e(_steps(f))}</td></tr>"
-        for f in report.findings
+def _md(text: str) -> str:
+    """Escaped text with `code` spans shown as code (reasons and messages quote ids)."""
+    parts = _e(text).split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+
+
+def _verdict(report: Report) -> str:
+    from rlscope.render.terminal import summary_line
+
+    line = summary_line(report).plain
+    kind = "bad" if report.findings and report.worst_severity() != "info" else "good"
+    return f"<p class='verdict {kind}'>{_e(line)}</p>"
+
+
+def _anchor(run: int, rollout_id: int) -> str:
+    return f"rollout-{run}-{rollout_id}"
+
+
+def _card(
+    charts: _Charts,
+    finding: Finding,
+    report: Report,
+    run: int,
+    label: str,
+    multi: bool,
+    align: str,
+    smooth: int | None,
+) -> str:
+    shown = next((m for m in finding.metrics if m in report.metrics), None)
+    plot = ""
+    if shown is not None:
+        svg = _metric_chart(charts, shown, [report], [label], align, smooth, size=(7.0, 2.8))
+        plot = f"<div class='plot' id='card-chart-{run}-{_e(finding.id)}'>{svg}</div>"
+    steps = sorted(set(finding.steps))
+    if len(steps) > 1 and finding.marks == "window":
+        where = f"steps {steps[0]}–{steps[-1]}"
+    elif len(steps) > 1:
+        where = "steps " + ", ".join(map(str, steps[:8])) + (", …" if len(steps) > 8 else "")
+    else:
+        where = f"step {steps[0]}" if steps else ""
+    ids = finding.rollout_ids
+    examples = (
+        "<p>Example rollouts: "
+        + ", ".join(f"<a href='#{_anchor(run, i)}'>{i}</a>" for i in ids)
+        + "</p>"
+        if ids
+        else ""
     )
+    who = f"<span class='dim'>{_e(label)}</span> " if multi else ""
     return (
-        f"<h3>{_e(label)}</h3><table><tr><th>severity</th><th>finding</th><th>layer</th>"
-        f"<th>message</th><th>steps</th></tr>{rows}</table>"
+        f"<div class='card {_e(finding.severity)}' id='finding-{run}-{_e(finding.id)}'>"
+        f"<div class='text'><p>{who}<span class='badge {_e(finding.severity)}'>"
+        f"{_e(finding.severity)}</span><b><code>{_e(finding.id)}</code></b> "
+        f"<span class='dim'>{_e(finding.layer)} {_e(LAYERS.get(finding.layer, ''))}"
+        f"{' · ' + _e(where) if where else ''}</span></p>"
+        f"<p>{_md(finding.message)}</p>"
+        + (f"<p><b>What to try:</b> {_md(finding.remedy)}</p>" if finding.remedy else "")
+        + examples
+        + f"<p class='dim'>Why and thresholds: <code>rlscope explain {_e(finding.id)}</code>"
+        + (f"; the chart is <code>{_e(shown)}</code>, its window shaded" if shown else "")
+        + "</p></div>"
+        + plot
+        + "</div>"
     )
 
 
-def _steps(finding: Finding) -> str:
-    return ", ".join(str(s) for s in finding.steps)
-
-
-def _caption(metric_id: str, reports: Sequence[Report], labels: Sequence[str]) -> str:
-    first: MetricResult | None = next(
-        (r.metrics[metric_id] for r in reports if metric_id in r.metrics), None
+def _compare_table(comparison: Comparison) -> str:
+    """Per metric: each run's value, its delta to the baseline with the interval and the
+    verdict; significant differences first, the rest folded."""
+    labels = comparison.labels
+    head = (
+        "<tr><th>metric</th>"
+        + "".join(
+            f"<th>{_e('baseline' if i == 0 else f'run {i + 1}')} {_e(label)}</th>"
+            for i, label in enumerate(labels)
+        )
+        + "</tr>"
     )
-    title = first.title if first is not None else ""
-    values = "; ".join(
-        f"{_e(label)} {_e(_fmt(r.metrics[metric_id].value))}"
-        for r, label in zip(reports, labels, strict=True)
-        if metric_id in r.metrics
+
+    def row(metric: Any) -> str:
+        cells = []
+        for i, run in enumerate(metric.runs):
+            if run is None:
+                cells.append(f"<td class='dim'>— ({_e(metric.missing[i])})</td>")
+                continue
+            text = _e(_fmt(run.value))
+            if i > 0 and run.delta is not None:
+                text += f"<br>Δ {run.delta:+.3g}"
+                if run.interval is not None:
+                    text += f" [{run.interval[0]:+.3g}, {run.interval[1]:+.3g}]"
+                if run.verdict:
+                    text += f" {_e(run.verdict)}"
+            cells.append(f"<td class='{_e(run.verdict)}'>{text}</td>")
+        return f"<tr><td><code>{_e(metric.id)}</code></td>{''.join(cells)}</tr>"
+
+    called = [
+        m
+        for m in comparison.metrics.values()
+        if any(r is not None and r.verdict in ("worse", "better", "differs") for r in m.runs)
+    ]
+    rest = [m for m in comparison.metrics.values() if m not in called]
+    lines = "".join(
+        f"<p class='verdict {'bad' if v.regressed else 'good'}'>{_e(v.line())}</p>"
+        for v in comparison.verdicts()
     )
-    return f"<b><code>{_e(metric_id)}</code></b> {_e(title)}<br><span class='dim'>{values}</span>"
+    out = (
+        lines + "<div class='scroll'><table>" + head + "".join(map(row, called)) + "</table></div>"
+    )
+    if rest:
+        out += (
+            f"<details><summary>{len(rest)} metrics within run-to-run noise or not comparable"
+            "</summary><div class='scroll'><table>"
+            + head
+            + "".join(map(row, rest))
+            + "</table></div></details>"
+        )
+    return out + (
+        "<p class='dim'>Δ = value − baseline (final-window means); [a, b] = 95% bootstrap interval "
+        "of the difference; worse/better only when it excludes 0, by the metric's direction.</p>"
+    )
 
 
-def render_html(reports: Sequence[Report], data: Sequence[PlotData], *, align: str = "step") -> str:
-    """The report page for one or more runs (several: overlaid, the first as the baseline)."""
+def _examples_section(
+    reports: Sequence[Report], data: Sequence[PlotData], labels: Sequence[str]
+) -> str:
+    parts = []
+    for run, (report, d) in enumerate(zip(reports, data, strict=True)):
+        named = sorted({i for f in report.findings for i in f.rollout_ids})
+        for rollout_id in named:
+            row = d.examples.get(rollout_id)
+            if row is None:
+                continue
+            meta = ", ".join(
+                f"{k} {_e(safe_text(v))}"
+                for k, v in row.items()
+                if k not in ("response", "rollout_id")
+            )
+            text = row.get("response")
+            body = (
+                f"<pre>{_e(safe_text(text, multiline=True))}</pre>"
+                if text
+                else ("<p class='dim'>no response text in this run</p>")
+            )
+            who = f"{_e(labels[run])}: " if len(reports) > 1 else ""
+            parts.append(
+                f"<article class='rollout' id='{_anchor(run, rollout_id)}'><p><b>{who}rollout "
+                f"{rollout_id}</b> <span class='dim'>{meta}</span></p>{body}"
+                f"<p class='dim'>whole: <code>rlscope show {_e(report.run.path)} {rollout_id}"
+                "</code></p></article>"
+            )
+    if not parts:
+        return ""
+    return "<h2 id='examples'>Example rollouts named by the findings</h2>" + "".join(parts)
+
+
+def render_html(
+    reports: Sequence[Report],
+    data: Sequence[PlotData],
+    *,
+    align: str = "step",
+    comparison: Comparison | None = None,
+    smooth: int | None = None,
+) -> str:
+    """The report page for one or more runs (several: overlaid, the first as the baseline):
+    the verdict and the findings first, each with the chart that shows it; for several runs
+    the comparison; then each layer's charts (folded unless something there is flagged), the
+    diagnostics and the example rollouts. `smooth`: the rolling-mean window (None: ~5% of the
+    steps; 0: raw only)."""
     from rlscope.comparison import run_labels
 
     charts = _Charts()
     labels = run_labels(reports)
+    multi = len(reports) > 1
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',
         "<title>rlscope report</title>",
-        f"<style>{_CSS}</style></head><body>",
+        f"<style>{_CSS}</style></head><body><main>",
         "<h1>rlscope report</h1>",
-        f"<p class='dim'>rlscope {_e(__version__)}; x axis: {_e(_xlabel(align))}. "
-        "Curves per metric, healthy band shaded green, findings marked at their steps.</p>",
-        "<table><tr><th>run</th><th>run_id</th><th>algorithm</th><th>path</th><th>steps</th>"
-        "<th>rollouts</th><th>tokens</th></tr>",
     ]
+    parts += [
+        (f"<p class='dim'>{_e(label)}</p>" if multi else "") + _verdict(report)
+        for report, label in zip(reports, labels, strict=True)
+    ]
+    parts.append(
+        "<div class='scroll'><table class='runs'><tr><th>run</th><th>run_id</th><th>algorithm</th>"
+        "<th>path</th><th>steps</th><th>rollouts</th><th>tokens</th></tr>"
+    )
     for i, report in enumerate(reports):
         run = report.run
         swatch = f'<span class="swatch" style="background:{COLORS[i % len(COLORS)]}"></span>'
         parts.append(
-            f"<tr><td>{swatch}{'baseline' if i == 0 and len(reports) > 1 else i + 1}</td>"
-            f"<td>{_e(run.run_id)}</td><td>{_e(run.algorithm)}</td><td>{_e(run.path)}</td>"
-            f"<td>{run.n_steps} ({_e(run.first_step)}–{_e(run.last_step)})</td>"
+            f"<tr><td>{swatch}{'baseline' if i == 0 and multi else i + 1}</td>"
+            f"<td>{_e(run.run_id)}</td><td>{_e(run.algorithm)}</td><td><code>{_e(run.path)}"
+            f"</code></td><td>{run.n_steps} ({_e(run.first_step)}–{_e(run.last_step)})</td>"
             f"<td>{run.n_rollouts:,}</td><td>{run.n_tokens:,}</td></tr>"
         )
-    parts.append("</table>")
-    for report, label in zip(reports, labels, strict=True):  # how the importer derived fields
-        found = run_provenance(report.run.meta)
-        if found:
-            items = "".join(f"<li><b>{_e(k)}</b>: {_e(v)}</li>" for k, v in found.items())
-            parts.append(f"<p class='dim'>{_e(label)}: how fields were derived</p><ul>{items}</ul>")
-    parts.append("<h2 id='findings'>Findings</h2>")
-    parts += [_findings_html(r, label) for r, label in zip(reports, labels, strict=True)]
+    parts.append("</table></div>")
+
+    parts.append("<section id='findings'><h2>Findings</h2>")
+    for index, (report, label) in enumerate(zip(reports, labels, strict=True)):
+        if not report.findings:
+            parts.append(f"<p>{_e(label)}: no findings.</p>" if multi else "<p>No findings.</p>")
+        for finding in report.findings:
+            parts.append(_card(charts, finding, report, index, label, multi, align, smooth))
+    unchecked = sorted({s.metric for r in reports for s in r.skipped if s.kind == "finding"})
+    if unchecked:
+        parts.append(
+            "<p class='dim'>Not checked (inputs missing): "
+            + ", ".join(f"<code>{_e(u)}</code>" for u in unchecked)
+            + "</p>"
+        )
+    parts.append("</section>")
+
+    if comparison is not None:
+        parts.append("<section id='compare'><h2>Comparison with the baseline</h2>")
+        parts.append(_compare_table(comparison))
+        parts.append("</section>")
 
     ids = list(dict.fromkeys(i for r in reports for i in r.metrics))
     for layer, name in LAYERS.items():
@@ -451,35 +815,59 @@ def render_html(reports: Sequence[Report], data: Sequence[PlotData], *, align: s
         )
         if not layer_ids and not skipped:
             continue
-        parts.append(f"<h2 id='{layer}'>{layer} {_e(name)}</h2><div class='grid'>")
+        flagged = [
+            i
+            for i in layer_ids
+            for r in reports
+            if i in r.metrics
+            and (r.status(r.metrics[i]) or ("", "ok"))[1] not in ("ok",)
+            and r.status(r.metrics[i]) is not None
+        ]
+        state = " open" if flagged else ""
+        summary = (
+            f"{layer} {_e(name)} <span class='dim'>{len(layer_ids)} metrics"
+            + (f", flagged: {', '.join(_e(f) for f in dict.fromkeys(flagged))}" if flagged else "")
+            + "</span>"
+        )
+        parts.append(f"<details id='{layer}'{state}><summary>{summary}</summary><div class='grid'>")
         for metric_id in layer_ids:
-            metric_svg = _metric_chart(charts, metric_id, reports, labels, align)
+            metric_svg = _metric_chart(charts, metric_id, reports, labels, align, smooth)
             parts.append(
                 _figure(_caption(metric_id, reports, labels), metric_svg, f"chart-{metric_id}")
             )
         parts.append("</div>")
         if skipped:
-            items = "".join(f"<li><code>{_e(m)}</code>: {_e(r)}</li>" for m, r in skipped)
+            items = "".join(f"<li><code>{_e(m)}</code>: {_md(r)}</li>" for m, r in skipped)
             parts.append(f"<p class='dim'>Not computed:</p><ul class='dim'>{items}</ul>")
+        parts.append("</details>")
 
     parts.append("<h2 id='diagnostics'>Diagnostics</h2><div class='grid'>")
+    svg = _reward_chart(charts, reports, labels, align, smooth)
+    if svg is not None:
+        parts.append(_figure(_e("Reward per reward function"), svg, "chart-reward-functions"))
     for n, (length_caption, length_svg) in enumerate(
-        _length_charts(charts, reports, data, labels, align)
+        _length_charts(charts, reports, data, labels, align, smooth)
     ):
         parts.append(_figure(_e(length_caption), length_svg, f"chart-length-{n}"))
-    for i, d in enumerate(data):
-        svg = _sigma_chart(charts, d, labels[i])
-        if svg is not None:
-            caption = f"σ_G histogram over time (share of groups per step): {_e(labels[i])}"
-            parts.append(_figure(caption, svg, f"chart-sigma-{i}"))
+    sigma_runs = [i for i, d in enumerate(data) if d.sigma is not None]
+    for i, svg in zip(sigma_runs, _sigma_charts(charts, data, labels), strict=True):
+        caption = (
+            f"σ_G histogram over time (share of groups per step; one colour scale for all "
+            f"runs, one σ range when their rewards share a scale): {_e(labels[i])}"
+        )
+        parts.append(_figure(caption, svg, f"chart-sigma-{i}"))
     svg = _pass_chart(charts, data, labels)
     if svg is not None:
         caption = "pass@k for k = 1…N: first (dashed) vs last (solid) 10% of steps"
         parts.append(_figure(_e(caption), svg, "chart-pass-k"))
-    svg = _entropy_chart(charts, reports, labels, align)
+    svg = _entropy_chart(charts, reports, labels, align, smooth)
     if svg is not None:
         parts.append(
-            _figure(_e("Entropy decay (shaded: the early window)"), svg, "chart-entropy-decay")
+            _figure(
+                _e("Entropy decay (shaded: where entropy-collapse saw it go)"),
+                svg,
+                "chart-entropy-decay",
+            )
         )
     svg = _faithfulness_chart(charts, reports, labels)
     if svg is not None:
@@ -492,13 +880,42 @@ def render_html(reports: Sequence[Report], data: Sequence[PlotData], *, align: s
             "curve in any run)</p></figure>"
         )
     parts.append("</div>")
-    for report, label in zip(reports, labels, strict=True):
+    parts.append(_examples_section(reports, data, labels))
+    for report, label in zip(reports, labels, strict=True):  # how the importer derived fields
+        found = run_provenance(report.run.meta)
+        if found:
+            items = "".join(f"<li><b>{_e(k)}</b>: {_e(v)}</li>" for k, v in found.items())
+            how = f"<p class='dim'>{_e(label)}: how fields were derived</p>"
+            parts.append(f"{how}<ul class='dim'>{items}</ul>")
         for note in report.notes:
-            parts.append(f"<p class='dim'>{_e(label)}: note: {_e(note)}</p>")
+            parts.append(f"<p class='dim'>{_e(label)}: note: {_md(note)}</p>")
         for warning in report.warnings:
-            parts.append(f"<p class='dim'>{_e(label)}: warning: {_e(warning)}</p>")
-    parts.append("</body></html>")
+            parts.append(f"<p class='dim'>{_e(label)}: warning: {_md(warning)}</p>")
+    window = "~5% of the steps" if smooth is None else f"{smooth} steps"
+    parts.append(
+        f"<p class='dim'>rlscope {_e(__version__)}. Each chart: the raw series faint, its "
+        f"centred rolling mean ({_e(window)}) bold; the healthy band green; a finding's window "
+        "shaded in its severity's colour; the number under a title is the final-window mean "
+        "(last 10% of steps, at least 3).</p>"
+    )
+    parts.append("</main></body></html>")
     return "\n".join(parts)
+
+
+def _caption(metric_id: str, reports: Sequence[Report], labels: Sequence[str]) -> str:
+    first: MetricResult | None = next(
+        (r.metrics[metric_id] for r in reports if metric_id in r.metrics), None
+    )
+    title = first.title if first is not None else ""
+    values = "; ".join(
+        f"{_e(label)} {_e(_fmt(r.metrics[metric_id].value))}"
+        for r, label in zip(reports, labels, strict=True)
+        if metric_id in r.metrics
+    )
+    return (
+        f"<b><code>{_e(metric_id)}</code></b> {_e(title)}<br><span class='dim'>final-window mean: "
+        f"{values}</span>"
+    )
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -519,10 +936,13 @@ def write_report(
     config: Config | None = None,
     from_format: str | None = None,
     import_options: Mapping[str, Any] | None = None,
+    smooth: int | None = None,
 ) -> Path:
     """Analyse each run and write the HTML report to `output` (never inside a run directory).
-    With `from_format`, each path is a trainer's output, imported as `analyze` does."""
+    With `from_format`, each path is a trainer's output, imported as `analyze` does; `smooth`
+    the charts' rolling-mean window in steps (None: ~5% of the steps, 0: none)."""
     from rlscope.analysis import analyze_each
+    from rlscope.comparison import compare_reports
 
     if not paths:
         raise RlscopeError("report needs at least one run")
@@ -550,8 +970,14 @@ def write_report(
         from_format=from_format,
         import_options=import_options,
     )
-    data = [plot_data(r.run.path, steps=steps) for r in reports]  # the imported run, if any
-    page = render_html(reports, data, align=align)
+    if smooth is not None and smooth < 0:
+        raise RlscopeError(f"--smooth {smooth}: a window of 0 (none) or more steps")
+    data = [  # from the imported run, if any
+        plot_data(r.run.path, steps=steps, examples={i for f in r.findings for i in f.rollout_ids})
+        for r in reports
+    ]
+    comparison = compare_reports(reports, align=align) if len(reports) > 1 else None
+    page = render_html(reports, data, align=align, comparison=comparison, smooth=smooth)
     try:
         out.write_text(page, encoding="utf-8")
     except OSError as exc:

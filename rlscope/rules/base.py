@@ -157,7 +157,8 @@ class RuleContext:
         """A finding of this rule; a severity set in config wins over the rule's own choice."""
         evidence.setdefault("metrics", list(self.rule.metrics))
         chosen = self.severity_override or severity or self.rule.severity
-        return Finding(self.rule.id, chosen, self.rule.layer, message, evidence)
+        rule = self.rule
+        return Finding(rule.id, chosen, rule.layer, message, evidence, rule.remedy, rule.marks)
 
 
 def pooled_corr(frame: pl.DataFrame, first_step: int | None = None) -> tuple[float, float] | None:

@@ -173,6 +173,7 @@ def kl_high(ctx: RuleContext) -> Iterator[Finding]:
         "robust_z": Param(6.0, "and this many robust sigmas above it (log space)"),
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
     },
+    marks="points",
 )
 def grad_spike(ctx: RuleContext) -> Iterator[Finding]:
     grad = ctx.series("stability.grad_norm")
@@ -440,6 +441,7 @@ def lr_zero(ctx: RuleContext) -> Iterator[Finding]:
     "scaling) and gradient clipping; resume from the last checkpoint before the step.",
     metrics=("stability.nonfinite",),
     severity="critical",
+    marks="points",
 )
 def divergence(ctx: RuleContext) -> Iterator[Finding]:
     frame = ctx.frame("stability.nonfinite")
