@@ -285,3 +285,40 @@ def test_report_layout_in_chromium(
     assert facts["covered"] == [], facts["covered"][:5]
     overflow = facts["scrollWidth"] - width
     assert overflow <= 0, f"{overflow} px of horizontal scroll at {width} px"
+
+
+def test_rolling_mean_wilson_and_window_against_direct_computations() -> None:
+    import math
+
+    from rlscope.render.html import rolling_mean, smoothing_window, wilson
+
+    values = [1.0, None, 3.0, 4.0, float("nan"), 6.0, 7.0]
+    got = rolling_mean(values, 3)
+    defined = [None if v is None or math.isnan(v) else v for v in values]
+    for i, value in enumerate(got):
+        window = [v for v in defined[max(0, i - 1) : i + 2] if v is not None]
+        assert value == pytest.approx(sum(window) / len(window))
+    assert rolling_mean([None, None], 3)[0] != rolling_mean([None, None], 3)[0]  # NaN: no value
+    assert rolling_mean([1.0, 2.0], 1) == [1.0, 2.0]
+    assert smoothing_window(11, None) == 1 and smoothing_window(200, None) == 11
+    assert smoothing_window(60, None) == 3 and smoothing_window(200, 0) == 1
+    # Wilson 95% intervals (Agresti & Coull 1998, Table 1 style values).
+    low, high = wilson(0, 10)
+    assert low == 0.0 and high == pytest.approx(0.2775, abs=1e-4)
+    low, high = wilson(5, 10)
+    assert (low, high) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
+    assert wilson(10, 10)[1] == pytest.approx(1.0)
+
+
+def test_report_smooth_option(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    healthy, _ = runs
+    raw = rlscope("report", str(healthy), "-o", str(tmp_path / "raw.html"), "--smooth", "0")
+    assert raw.returncode == 0, raw.stderr
+    smooth = rlscope("report", str(healthy), "-o", str(tmp_path / "s.html"), "--smooth", "5")
+    assert smooth.returncode == 0, smooth.stderr
+    # Smoothing draws a second line per series: the smoothed page has more paths.
+    paths = [(tmp_path / n).read_text().count("<path") for n in ("raw.html", "s.html")]
+    assert paths[1] > paths[0]
+    assert "rolling mean (5 steps)" in (tmp_path / "s.html").read_text()
+    bad = rlscope("report", str(healthy), "-o", str(tmp_path / "b.html"), "--smooth", "-1")
+    assert bad.returncode == 2 and "--smooth" in bad.stderr and not (tmp_path / "b.html").exists()

@@ -948,6 +948,8 @@ def write_report(
         raise RlscopeError("report needs at least one run")
     if align not in ("step", "progress"):
         raise RlscopeError(f"align {align!r}: choose step or progress")
+    if smooth is not None and smooth < 0:
+        raise RlscopeError(f"--smooth {smooth}: a window of 0 (none) or more steps")
     out = Path(output)
     for path in paths:
         if _inside(out, Path(path)):
@@ -970,8 +972,6 @@ def write_report(
         from_format=from_format,
         import_options=import_options,
     )
-    if smooth is not None and smooth < 0:
-        raise RlscopeError(f"--smooth {smooth}: a window of 0 (none) or more steps")
     data = [  # from the imported run, if any
         plot_data(r.run.path, steps=steps, examples={i for f in r.findings for i in f.rollout_ids})
         for r in reports
