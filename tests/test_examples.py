@@ -520,3 +520,45 @@ def test_callback_chooses_correctness_like_the_importer(
     else:
         assert meta["correct_source"].startswith(f"`{correct}`")
         assert report.metrics["signal.pass_at_1"].value is not None
+
+
+@pytest.mark.slow
+def test_scale_out_example_on_a_local_dask_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token map run by a real engine: a dask.distributed LocalCluster of two worker
+    processes (the `scale` extra), reached the way a user reaches theirs (DASK_SCHEDULER). The
+    report equals the in-process one, and the chunks really went to the cluster."""
+    pytest.importorskip("distributed")
+    from distributed import LocalCluster
+
+    from rlscope.synth import generate
+    from rlscope.tokenscan import limits
+
+    run = generate(tmp_path / "run", "healthy", steps=30, prompts_per_step=8, seed=5, text=False)
+    (single,) = (run / "tokens").glob("*.parquet")
+    tokens = pl.read_parquet(single)
+    single.unlink()
+    chunked = tokens.with_columns(third=pl.col("step") // 10)
+    for n, part in enumerate(chunked.partition_by("third", include_key=False)):
+        part.write_parquet(run / "tokens" / f"part-{n}.parquet")  # three token files
+    example = load_example("scale_out")
+    sent: list[int] = []
+
+    def counted(task: Any, chunks: list[Any]) -> Any:
+        sent.append(len(chunks))
+        return example.dask_map(task, chunks)
+
+    monkeypatch.setattr(limits, "CHUNK_BYTES", 1)  # a chunk per token file: several tasks
+    monkeypatch.setitem(example.ENGINES, "dask", counted)
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    ) as cluster:
+        monkeypatch.setenv("DASK_SCHEDULER", cluster.scheduler_address)
+        mapped = example.analyze_on(str(run), "dask", use_cache=False)
+    local = rlscope.analyze(str(run), use_cache=False)
+    assert sent == [3] and local.run.token_files_read == 3
+    assert mapped.metrics.keys() == local.metrics.keys()
+    for metric_id, result in local.metrics.items():
+        assert mapped.metrics[metric_id].value == pytest.approx(result.value, rel=1e-9)
+    assert [f.id for f in mapped.findings] == [f.id for f in local.findings]
