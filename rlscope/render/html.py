@@ -196,7 +196,7 @@ def _series(
 
 
 def _mark_findings(ax: Any, report: Report, metric_id: str, align: str) -> None:
-    """Each finding naming the metric: its window shaded in its severity's colour."""
+    """Each finding naming the metric: its window shaded (or its steps marked) in its colour."""
     for finding in report.findings:
         if not finding.names(metric_id) or not finding.steps:
             continue
@@ -619,6 +619,7 @@ def _card(
         where = "steps " + ", ".join(map(str, steps[:8])) + (", …" if len(steps) > 8 else "")
     else:
         where = f"step {steps[0]}" if steps else ""
+    marked = "its window shaded" if finding.marks == "window" else "its steps marked"
     ids = finding.rollout_ids
     examples = (
         "<p>Example rollouts: "
@@ -638,7 +639,7 @@ def _card(
         + (f"<p><b>What to try:</b> {_md(finding.remedy)}</p>" if finding.remedy else "")
         + examples
         + f"<p class='dim'>Why and thresholds: <code>rlscope explain {_e(finding.id)}</code>"
-        + (f"; the chart is <code>{_e(shown)}</code>, its window shaded" if shown else "")
+        + (f"; the chart is <code>{_e(shown)}</code>, {marked}" if shown else "")
         + "</p></div>"
         + plot
         + "</div>"
