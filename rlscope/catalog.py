@@ -21,8 +21,9 @@ LAYER_PATTERN = re.compile(r"L[1-6]")
 
 @dataclass(frozen=True)
 class Catalog:
-    """The metrics and rules rlscope knows, by id (frozen). Compute, evaluation, comparison and
-    the renderers take one; `default_catalog()` is rlscope's own."""
+    """The metrics and rules rlscope knows, by id (frozen). Compute, evaluation, comparison,
+    config and gates take one (renderers read what results carry); `default_catalog()` is
+    rlscope's own."""
 
     metrics: Mapping[str, Metric]
     rules: Mapping[str, Rule]
