@@ -935,8 +935,7 @@ def report(
     and links to the rollouts it names; with several runs, the comparison with the first
     (delta, interval, verdict); then each layer's curves (folded unless flagged) with healthy
     bands and rolling means; reward per function, length vs correctness, σ_G over time,
-    pass@k for k = 1…N, entropy decay, faithfulness; several runs are overlaid. Needs
-    matplotlib (`pip install matplotlib`; from a clone of rlscope, `pip install ".[report]"`).
+    pass@k for k = 1…N, entropy decay, faithfulness; several runs are overlaid.
 
     Examples:
 

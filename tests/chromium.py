@@ -154,9 +154,8 @@ LAYOUT = r"""
         clipped.push([svg.closest('[id]').id, text.textContent]);
       }
     }
-    const areas = [...svg.querySelectorAll('g[id^="axes_"] > g[id^="patch_"]')]
-      .slice(0, 1).map(box);
-    for (const legend of svg.querySelectorAll('g[id^="legend_"]')) {
+    const areas = [...svg.querySelectorAll('rect.plot-area')].map(box);
+    for (const legend of svg.querySelectorAll('g.legend')) {
       legends += 1;
       for (const area of areas) {
         if (overlap(box(legend), area) > 0) covered.push(svg.closest('[id]').id);

@@ -1,6 +1,6 @@
 """A plain `pip install .` (no extras, not editable) into a fresh venv runs every command a new
-user tries first: the wheel carries what they read (reference.json), and a missing extra is a
-clear error, not a traceback."""
+user tries first: the wheel carries what they read (reference.json), and `report` needs no
+extra."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_a_plain_install_runs_the_demo_and_names_missing_extras(tmp_path: Path) -> None:
+def test_a_plain_install_runs_the_demo_explain_formats_and_report(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
@@ -33,7 +33,7 @@ def test_a_plain_install_runs_the_demo_and_names_missing_extras(tmp_path: Path) 
     assert demo.returncode == 1 and demo.stdout.startswith("verdict: 1 critical"), demo.stderr
     assert run("explain", "kl-runaway").stdout.startswith("kl-runaway")
     assert "verl" in run("formats").stdout
+    # The report's charts need no plotting library: the core install writes it.
     report = run("report", str(ROOT / "sample_logs" / "healthy"), "-o", str(tmp_path / "r.html"))
-    assert report.returncode == 2 and "Traceback" not in report.stderr
-    assert "matplotlib" in report.stderr and 'pip install ".[report]"' in report.stderr
-    assert not (tmp_path / "r.html").exists()
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "r.html").read_text().count("<svg") >= 20

@@ -1,18 +1,16 @@
-"""The HTML report: one self-contained file of inline SVG charts (matplotlib), no script at all.
+"""The HTML report: one self-contained file of inline SVG charts, no script at all.
 
-Untrusted text (run ids, paths, finding messages quoting prompt ids) is `html.escape`d in the
-page; in the charts matplotlib escapes it as SVG text (`svg.fonttype = none`, mathtext off so a
-`$` is literal), and chart comments (which repeat the text) are dropped. A Content-Security-Policy
-forbids scripts and every network fetch, so nothing from the data can run or call home.
+Charts are written by rlscope.render.svg (no plotting library): every text in them is escaped
+like the page's own (html.escape), so untrusted run ids, paths and prompt ids quoted in finding
+messages stay text. A Content-Security-Policy forbids scripts and every network fetch, so
+nothing from the data can run or call home.
 """
 
 from __future__ import annotations
 
 import html
-import io
 import itertools
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,104 +21,28 @@ from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.plots import PlotData, plot_data
 from rlscope.render.sanitize import safe_text
+from rlscope.render.svg import Chart
 from rlscope.report import MetricResult, Report, run_provenance
 from rlscope.spec import LAYERS, Finding
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 SEVERITY_COLORS = {"critical": "#c62828", "warn": "#ef6c00", "info": "#0277bd"}
+BAND_COLOR = "#2e7d32"
+LOGGED_COLOR = "#616161"
 CSP = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src data:; font-src data:; "
     "script-src 'none'; base-uri 'none'; form-action 'none'"
 )
-_COMMENT = re.compile(r"<!--.*?-->|<metadata>.*?</metadata>", re.DOTALL)
 _LABEL_MAX = 40
-
-
-def _matplotlib() -> Any:
-    try:
-        import matplotlib
-    except ImportError:
-        raise RlscopeError(
-            "the HTML report needs matplotlib",
-            hint='pip install matplotlib  (from a clone of rlscope: pip install ".[report]")',
-        ) from None
-    return matplotlib
+#: Chart sizes in SVG px (the page scales them to their box): a layer's grid, a finding card.
+SMALL = (500, 250)
+LARGE = (720, 270)
 
 
 def _label(text: object) -> str:
     """Untrusted text for a chart label: controls made visible, shortened."""
     value = safe_text(text)
     return value if len(value) <= _LABEL_MAX else value[: _LABEL_MAX - 1] + "…"
-
-
-class _Charts:
-    """Makes matplotlib figures and turns them into inline SVG (unique ids per figure)."""
-
-    def __init__(self) -> None:
-        self.mpl = _matplotlib()
-        from matplotlib.figure import Figure
-
-        self.Figure = Figure
-        self.count = itertools.count()
-
-    def figure(self, width: float = 5.0, height: float = 2.4) -> Any:
-        # Fixed margins: a constrained layout doubles the time per chart.
-        fig = self.Figure(figsize=(width, height))
-        fig.subplots_adjust(left=0.8 / width, right=1 - 0.15 / width, top=0.93, bottom=0.17)
-        return fig
-
-    def svg(self, fig: Any) -> str:
-        settings = {
-            "svg.fonttype": "none",
-            "svg.hashsalt": f"rlscope-{next(self.count)}",
-            "text.parse_math": False,
-            "text.usetex": False,
-        }
-        buffer = io.StringIO()
-        with self.mpl.rc_context(settings):
-            fig.savefig(buffer, format="svg", metadata={"Date": None})
-        text = buffer.getvalue()
-        text = text[text.index("<svg") :]
-        return _COMMENT.sub("", text)
-
-
-def _style(ax: Any) -> None:
-    ax.grid(True, color="#e0e0e0", linewidth=0.5)
-    ax.tick_params(labelsize=7)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    # Tiny values read as themselves: no "1e-5" offset or multiplier above the axis that makes
-    # 0.00008 look like 8.
-    from matplotlib.ticker import FuncFormatter
-
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.3g}"))
-
-
-def _finish(fig: Any, ax: Any, xlabel: str, ylabel: str, *, legend: bool = True) -> None:
-    """Axis labels, and the legend below the plot area (never over the data)."""
-    ax.set_xlabel(xlabel, fontsize=7)
-    ax.set_ylabel(ylabel, fontsize=7)
-    handles, names = ax.get_legend_handles_labels()
-    if not (legend and handles):
-        return
-    # An entry is its handle (~0.45 in) plus ~0.055 in a character at 6 pt: as many columns
-    # as fit the figure's width, so no entry runs past the edge.
-    entry = 0.45 + 0.055 * max(len(n) for n in names)
-    columns = max(1, min(3, len(handles), int(0.95 * fig.get_figwidth() // entry)))
-    rows = -(-len(handles) // columns)
-    height = fig.get_figheight()
-    # Each legend row takes ~0.17 in at 6 pt, under the x label (~0.45 in from the bottom).
-    bottom = (0.45 + 0.17 * rows) / height
-    fig.subplots_adjust(bottom=bottom)
-    fig.legend(
-        handles,
-        names,
-        loc="lower center",
-        ncol=columns,
-        fontsize=6,
-        frameon=False,
-        bbox_to_anchor=(0.5, 0.0),
-    )
 
 
 def _x(report: Report, steps: Sequence[int | float], align: str) -> list[float]:
@@ -137,14 +59,8 @@ def _xlabel(align: str) -> str:
 
 
 def _ylabel(metric: MetricResult) -> str:
-    """The metric's title and its unit, in at most two lines that fit beside the axis."""
-    import textwrap
-
-    text = f"{metric.title} (share)" if metric.unit == "share" else metric.title
-    lines = textwrap.wrap(text, 30)
-    if len(lines) > 2:
-        lines = [lines[0], textwrap.shorten(" ".join(lines[1:]), 30, placeholder="…")]
-    return "\n".join(lines)
+    """The metric's title and its unit (the chart wraps it beside the axis)."""
+    return f"{metric.title} (share)" if metric.unit == "share" else metric.title
 
 
 def smoothing_window(n: int, smooth: int | None) -> int:
@@ -176,26 +92,25 @@ def rolling_mean(values: Sequence[float | None], window: int) -> list[float]:
 
 
 def _series(
-    ax: Any,
+    chart: Chart,
     xs: Sequence[float],
     values: Sequence[float | None],
     color: str,
     label: str | None,
     smooth: int | None,
-    **style: Any,
+    dash: str | None = None,
 ) -> None:
     """The raw series, faint under its rolling mean when there is one (`label` None: no legend
     entry)."""
     window = smoothing_window(len(values), smooth)
-    raw = [float("nan") if v is None else v for v in values]
     if window <= 1:
-        ax.plot(xs, raw, color=color, linewidth=1.2, label=label, **style)
+        chart.line(xs, values, color, label=label, dash=dash)
         return
-    ax.plot(xs, raw, color=color, linewidth=0.7, alpha=0.3, **style)
-    ax.plot(xs, rolling_mean(values, window), color=color, linewidth=1.4, label=label, **style)
+    chart.line(xs, values, color, width=0.8, opacity=0.3, dash=dash)
+    chart.line(xs, rolling_mean(values, window), color, label=label, dash=dash)
 
 
-def _mark_findings(ax: Any, report: Report, metric_id: str, align: str) -> None:
+def _mark_findings(chart: Chart, report: Report, metric_id: str, align: str) -> None:
     """Each finding naming the metric: its window shaded (or its steps marked) in its colour."""
     for finding in report.findings:
         if not finding.names(metric_id) or not finding.steps:
@@ -204,69 +119,54 @@ def _mark_findings(ax: Any, report: Report, metric_id: str, align: str) -> None:
         label = _label(f"{finding.id} ({finding.severity})")
         if finding.marks == "window" and len(set(finding.steps)) > 1:
             first, last = _x(report, [min(finding.steps), max(finding.steps)], align)
-            ax.axvspan(first, last, color=color, alpha=0.13, label=label)
+            chart.span(first, last, color, label)
             continue
         for n, x in enumerate(_x(report, sorted(set(finding.steps)), align)):
-            ax.axvline(x, color=color, linestyle="--", linewidth=1, label=None if n else label)
+            chart.vline(x, color, None if n else label)
 
 
 def _metric_chart(
-    charts: _Charts,
     metric_id: str,
     reports: Sequence[Report],
     labels: Sequence[str],
     align: str,
     smooth: int | None,
     *,
-    size: tuple[float, float] = (5.0, 2.6),
+    size: tuple[int, int] = SMALL,
 ) -> str:
-    fig = charts.figure(*size)
-    ax = fig.subplots()
-    _style(ax)
+    chart = Chart(*size)
     first = next(r.metrics[metric_id] for r in reports if metric_id in r.metrics)
     band = first.band
     if band is not None:
-        low, high = band
-        ax.axhspan(
-            low if low is not None else -1e300,
-            high if high is not None else 1e300,
-            color="#2e7d32",
-            alpha=0.08,
-            label="healthy band",
-        )
+        chart.band(band[0], band[1], BAND_COLOR, "healthy band")
     lows, highs = [], []
     for i, report in enumerate(reports):
         metric = report.metrics.get(metric_id)
         if metric is None:
             continue
-        color = COLORS[i % len(COLORS)]
         xs = _x(report, metric.steps, align)
         name = _label(labels[i]) if len(reports) > 1 else None  # one run: the swatch says
-        _series(ax, xs, metric.values, color, name, smooth)
+        _series(chart, xs, metric.values, COLORS[i % len(COLORS)], name, smooth)
         defined = [v for v in metric.values if v is not None]
         if defined:
             lows.append(min(defined))
             highs.append(max(defined))
         if metric.logged is not None and len(reports) == 1:
             _series(
-                ax,
+                chart,
                 _x(report, metric.logged.steps, align),
                 metric.logged.values,
-                "#616161",
+                LOGGED_COLOR,
                 _label(f"trainer's logged {metric.logged.column}"),
                 smooth,
-                linestyle=":",
+                dash="2,2",
             )
-        _mark_findings(ax, report, metric_id, align)
-    if lows and band is not None:  # keep the data in view, not the open end of the band
+        _mark_findings(chart, report, metric_id, align)
+    if lows and first.unit == "share":  # a share never leaves [0, 1]: no axis below 0
         span = max(highs) - min(lows)
-        pad = span * 0.1 if span > 0 else max(abs(max(highs)), 1.0) * 0.1
-        low, high = min(lows) - pad, max(highs) + pad
-        if first.unit == "share":  # a share never leaves [0, 1]: no axis below 0
-            low, high = max(low, -0.02), min(high, 1.02)
-        ax.set_ylim(low, high)
-    _finish(fig, ax, _xlabel(align), _ylabel(first))
-    return charts.svg(fig)
+        pad = span * 0.08 if span > 0 else 0.05
+        chart.ylim = (max(min(lows) - pad, -0.02), min(max(highs) + pad, 1.02))
+    return chart.svg(_xlabel(align), _ylabel(first))
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -280,7 +180,6 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def _length_charts(
-    charts: _Charts,
     reports: Sequence[Report],
     data: Sequence[PlotData],
     labels: Sequence[str],
@@ -289,9 +188,7 @@ def _length_charts(
 ) -> list[tuple[str, str]]:
     out = []
     if any(d.length is not None for d in data):
-        fig = charts.figure()
-        ax = fig.subplots()
-        _style(ax)
+        chart = Chart(*SMALL, ylim=(-0.02, 1.02))
         for i, d in enumerate(data):
             if d.length is None:
                 continue
@@ -306,34 +203,21 @@ def _length_charts(
                 accs.append(acc)
                 lows.append(max(0.0, acc - low))
                 highs.append(max(0.0, high - acc))
-            ax.errorbar(
-                mids,
-                accs,
-                yerr=[lows, highs],
-                marker="o",
-                ms=3,
-                capsize=2,
-                linewidth=1,
-                color=COLORS[i % len(COLORS)],
-                label=_label(labels[i]),
-            )
-        ax.set_ylim(-0.02, 1.02)
-        _finish(fig, ax, "response length (tokens, bin centre)", "accuracy", legend=len(data) > 1)
+            name = _label(labels[i]) if len(data) > 1 else None
+            chart.errorbar(mids, accs, lows, highs, COLORS[i % len(COLORS)], name)
         out.append(
             (
                 "Accuracy by response length (train rollouts, equal-width bins; bars: 95% "
                 "interval, wide where a bin holds few rollouts)",
-                charts.svg(fig),
+                chart.svg("response length (tokens, bin centre)", "accuracy"),
             )
         )
     pairs = ("behavior.response_len_correct", "behavior.response_len_incorrect")
     if any(m in r.metrics for r in reports for m in pairs):
-        fig = charts.figure()
-        ax = fig.subplots()
-        _style(ax)
+        chart = Chart(*SMALL)
         for i, report in enumerate(reports):
-            for metric_id, style, word in zip(
-                pairs, ("-", "--"), ("correct", "incorrect"), strict=True
+            for metric_id, dash, word in zip(
+                pairs, (None, "5,3"), ("correct", "incorrect"), strict=True
             ):
                 metric = report.metrics.get(metric_id)
                 if metric is None:
@@ -341,103 +225,77 @@ def _length_charts(
                 name = f"{labels[i]} {word}" if len(reports) > 1 else word
                 xs = _x(report, metric.steps, align)
                 _series(
-                    ax,
-                    xs,
-                    metric.values,
-                    COLORS[i % len(COLORS)],
-                    _label(name),
-                    smooth,
-                    linestyle=style,
+                    chart, xs, metric.values, COLORS[i % len(COLORS)], _label(name), smooth, dash
                 )
-        _finish(fig, ax, _xlabel(align), "mean length (tokens)")
-        out.append(("Length of correct (solid) vs incorrect (dashed) responses", charts.svg(fig)))
+        out.append(
+            (
+                "Length of correct (solid) vs incorrect (dashed) responses",
+                chart.svg(_xlabel(align), "mean length (tokens)"),
+            )
+        )
     return out
 
 
-def _sigma_charts(charts: _Charts, data: Sequence[PlotData], labels: Sequence[str]) -> list[str]:
-    """One heatmap per run on one colour scale and one σ range (so runs compare by eye)."""
-    import numpy as np
-
-    found = [(i, d.sigma) for i, d in enumerate(data) if d.sigma is not None]
+def _sigma_charts(data: Sequence[PlotData]) -> list[str]:
+    """One heatmap per run on one colour scale (one σ range too when the runs' rewards are on
+    one scale: one reward outlier of 25 would squash a 0/1 run into a strip)."""
+    found = [d.sigma for d in data if d.sigma is not None]
     if not found:
         return []
     grids = []
-    for _, sigma in found:
-        counts = np.array(sigma.counts, dtype=float).T  # bins x steps
-        totals = counts.sum(axis=0, keepdims=True)
-        grids.append(np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0))
-    top = max(float(g.max()) for g in grids) or 1.0
-    tops = [sigma.edges[-1] for _, sigma in found]
-    # One σ range too when the runs' rewards are on one scale (one reward outlier of 25 would
-    # squash a 0/1 run into a strip: then each keeps its own).
+    for sigma in found:  # shares of groups: grid[bin][step]
+        totals = [sum(row) for row in sigma.counts]
+        grids.append(
+            [
+                [row[b] / t if t else 0.0 for row, t in zip(sigma.counts, totals, strict=True)]
+                for b in range(len(sigma.edges) - 1)
+            ]
+        )
+    top = max(max(max(row) for row in g) for g in grids) or 1.0
+    tops = [sigma.edges[-1] for sigma in found]
     shared = max(tops) if max(tops) <= 2 * min(tops) else None
     out = []
-    for (i, sigma), shares in zip(found, grids, strict=True):
-        fig = charts.figure()
-        ax = fig.subplots()
+    for sigma, grid in zip(found, grids, strict=True):
         steps = list(sigma.steps)
-        extent = (steps[0], steps[-1] + 1, sigma.edges[0], sigma.edges[-1])
-        # A raster (embedded PNG) keeps the file small however many steps there are.
-        mesh = ax.imshow(
-            shares,
-            origin="lower",
-            aspect="auto",
-            extent=extent,
-            cmap="viridis",
-            interpolation="nearest",
-            vmin=0.0,
-            vmax=top,
+        chart = Chart(*SMALL)
+        chart.image(
+            grid, (steps[0], steps[-1] + 1, sigma.edges[0], sigma.edges[-1]), top, "share of groups"
         )
-        ax.set_ylim(0.0, shared if shared is not None else sigma.edges[-1])
-        bar = fig.colorbar(mesh, ax=ax)
-        bar.set_label("share of groups", fontsize=7)
-        bar.ax.tick_params(labelsize=6)
-        ax.tick_params(labelsize=7)
-        _finish(fig, ax, "step", "σ_G (reward std in a group)", legend=False)
-        out.append(charts.svg(fig))
-        del i
+        chart.xlim = (steps[0], steps[-1] + 1)
+        chart.ylim = (0.0, shared if shared is not None else sigma.edges[-1])
+        out.append(chart.svg("step", "σ_G (reward std in a group)", legend=False))
     return out
 
 
-def _pass_chart(charts: _Charts, data: Sequence[PlotData], labels: Sequence[str]) -> str | None:
+def _pass_chart(data: Sequence[PlotData], labels: Sequence[str]) -> str | None:
     if all(d.pass_k is None for d in data):
         return None
-    fig = charts.figure()
-    ax = fig.subplots()
-    _style(ax)
+    chart = Chart(*SMALL)
     for i, d in enumerate(data):
         if d.pass_k is None:
             continue
-        color = COLORS[i % len(COLORS)]
         curve = d.pass_k
         prefix = f"{labels[i]} " if len(data) > 1 else ""
-        for values, style, (a, b) in (
-            (curve.early, "--", curve.early_steps),
-            (curve.final, "-", curve.final_steps),
+        for values, dash, (a, b) in (
+            (curve.early, "5,3", curve.early_steps),
+            (curve.final, None, curve.final_steps),
         ):
-            ys = [float("nan") if v is None else v for v in values]
-            ax.plot(
-                curve.ks,
-                ys,
-                linestyle=style,
-                marker="o",
-                ms=3,
-                color=color,
+            chart.line(
+                [float(k) for k in curve.ks],
+                values,
+                COLORS[i % len(COLORS)],
                 label=_label(f"{prefix}steps {a}–{b}"),
+                dash=dash,
+                markers=True,
             )
-    _finish(fig, ax, "k (samples per prompt)", "pass@k")
-    return charts.svg(fig)
+    return chart.svg("k (samples per prompt)", "pass@k")
 
 
 def _reward_chart(
-    charts: _Charts,
-    reports: Sequence[Report],
-    labels: Sequence[str],
-    align: str,
-    smooth: int | None,
+    reports: Sequence[Report], labels: Sequence[str], align: str, smooth: int | None
 ) -> str | None:
-    """Each reward function's mean (signal.reward.<name>) with the total: the curves TRL and W&B
-    users look at first (a format reward saturating while accuracy stalls is visible here)."""
+    """Each reward function's mean (signal.reward.<name>): the curves TRL and W&B users look at
+    first (a format reward saturating while accuracy stalls is visible here)."""
     terms = [
         (i, m)
         for i, r in enumerate(reports)
@@ -446,57 +304,37 @@ def _reward_chart(
     ]
     if not terms:
         return None
-    fig = charts.figure(5.0, 2.9)
-    ax = fig.subplots()
-    _style(ax)
+    chart = Chart(*SMALL)
     names = list(dict.fromkeys(m.id.removeprefix("signal.reward.") for _, m in terms))
-    styles = ["-", "--", ":", "-."]
+    dashes = [None, "5,3", "2,2", "6,2,2,2"]
     for i, metric in terms:
         name = metric.id.removeprefix("signal.reward.")
         who = f"{labels[i]} " if len(reports) > 1 else ""
         color = COLORS[(names.index(name) if len(reports) == 1 else i) % len(COLORS)]
-        style = styles[names.index(name) % len(styles)] if len(reports) > 1 else "-"
-        _series(
-            ax,
-            _x(reports[i], metric.steps, align),
-            metric.values,
-            color,
-            _label(f"{who}{name}"),
-            smooth,
-            linestyle=style,
-        )
-    _finish(fig, ax, _xlabel(align), "mean reward of the function")
-    return charts.svg(fig)
+        dash = dashes[names.index(name) % len(dashes)] if len(reports) > 1 else None
+        xs = _x(reports[i], metric.steps, align)
+        _series(chart, xs, metric.values, color, _label(f"{who}{name}"), smooth, dash)
+    return chart.svg(_xlabel(align), "mean reward of the function")
 
 
 def _entropy_chart(
-    charts: _Charts,
-    reports: Sequence[Report],
-    labels: Sequence[str],
-    align: str,
-    smooth: int | None,
+    reports: Sequence[Report], labels: Sequence[str], align: str, smooth: int | None
 ) -> str | None:
     if not any("behavior.entropy" in r.metrics for r in reports):
         return None
-    fig = charts.figure()
-    ax = fig.subplots()
-    _style(ax)
+    chart = Chart(*SMALL)
     for i, report in enumerate(reports):
         metric = report.metrics.get("behavior.entropy")
         if metric is None:
             continue
-        color = COLORS[i % len(COLORS)]
         xs = _x(report, metric.steps, align)
         name = _label(labels[i]) if len(reports) > 1 else None
-        _series(ax, xs, metric.values, color, name, smooth)
-        _mark_findings(ax, report, "behavior.entropy", align)
-    _finish(fig, ax, _xlabel(align), "entropy (nats per token)")
-    return charts.svg(fig)
+        _series(chart, xs, metric.values, COLORS[i % len(COLORS)], name, smooth)
+        _mark_findings(chart, report, "behavior.entropy", align)
+    return chart.svg(_xlabel(align), "entropy (nats per token)")
 
 
-def _faithfulness_chart(
-    charts: _Charts, reports: Sequence[Report], labels: Sequence[str]
-) -> str | None:
+def _faithfulness_chart(reports: Sequence[Report], labels: Sequence[str]) -> str | None:
     curves = []
     for i, report in enumerate(reports):
         metric = report.metrics.get("reasoning.early_answer_aoc")
@@ -505,22 +343,13 @@ def _faithfulness_chart(
             curves.append((i, curve))
     if not curves:
         return None
-    fig = charts.figure()
-    ax = fig.subplots()
-    _style(ax)
+    chart = Chart(*SMALL, ylim=(-0.02, 1.02))
     for i, curve in curves:
         xs = [float(v) for v in curve["fraction"]]
-        ys = [float("nan") if v is None else float(v) for v in curve["unchanged"]]
-        ax.plot(xs, ys, marker="o", ms=3, color=COLORS[i % len(COLORS)], label=_label(labels[i]))
-    ax.set_ylim(-0.02, 1.02)
-    _finish(
-        fig,
-        ax,
-        "share of the chain of thought kept",
-        "answers unchanged (share)",
-        legend=len(reports) > 1,
-    )
-    return charts.svg(fig)
+        ys = [None if v is None else float(v) for v in curve["unchanged"]]
+        name = _label(labels[i]) if len(reports) > 1 else None
+        chart.line(xs, ys, COLORS[i % len(COLORS)], label=name, markers=True)
+    return chart.svg("share of the chain of thought kept", "answers unchanged (share)")
 
 
 # -- page -----------------------------------------------------------------------------------
@@ -598,7 +427,6 @@ def _anchor(run: int, rollout_id: int) -> str:
 
 
 def _card(
-    charts: _Charts,
     finding: Finding,
     report: Report,
     run: int,
@@ -610,7 +438,7 @@ def _card(
     shown = next((m for m in finding.metrics if m in report.metrics), None)
     plot = ""
     if shown is not None:
-        svg = _metric_chart(charts, shown, [report], [label], align, smooth, size=(7.0, 2.8))
+        svg = _metric_chart(shown, [report], [label], align, smooth, size=LARGE)
         plot = f"<div class='plot' id='card-chart-{run}-{_e(finding.id)}'>{svg}</div>"
     steps = sorted(set(finding.steps))
     if len(steps) > 1 and finding.marks == "window":
@@ -750,7 +578,6 @@ def render_html(
     steps; 0: raw only)."""
     from rlscope.comparison import run_labels
 
-    charts = _Charts()
     labels = run_labels(reports)
     multi = len(reports) > 1
     parts = [
@@ -786,7 +613,7 @@ def render_html(
         if not report.findings:
             parts.append(f"<p>{_e(label)}: no findings.</p>" if multi else "<p>No findings.</p>")
         for finding in report.findings:
-            parts.append(_card(charts, finding, report, index, label, multi, align, smooth))
+            parts.append(_card(finding, report, index, label, multi, align, smooth))
     unchecked = sorted({s.metric for r in reports for s in r.skipped if s.kind == "finding"})
     if unchecked:
         parts.append(
@@ -832,7 +659,7 @@ def render_html(
         )
         parts.append(f"<details id='{layer}'{state}><summary>{summary}</summary><div class='grid'>")
         for metric_id in layer_ids:
-            metric_svg = _metric_chart(charts, metric_id, reports, labels, align, smooth)
+            metric_svg = _metric_chart(metric_id, reports, labels, align, smooth)
             parts.append(
                 _figure(_caption(metric_id, reports, labels), metric_svg, f"chart-{metric_id}")
             )
@@ -843,25 +670,25 @@ def render_html(
         parts.append("</details>")
 
     parts.append("<h2 id='diagnostics'>Diagnostics</h2><div class='grid'>")
-    svg = _reward_chart(charts, reports, labels, align, smooth)
+    svg = _reward_chart(reports, labels, align, smooth)
     if svg is not None:
         parts.append(_figure(_e("Reward per reward function"), svg, "chart-reward-functions"))
     for n, (length_caption, length_svg) in enumerate(
-        _length_charts(charts, reports, data, labels, align, smooth)
+        _length_charts(reports, data, labels, align, smooth)
     ):
         parts.append(_figure(_e(length_caption), length_svg, f"chart-length-{n}"))
     sigma_runs = [i for i, d in enumerate(data) if d.sigma is not None]
-    for i, svg in zip(sigma_runs, _sigma_charts(charts, data, labels), strict=True):
+    for i, svg in zip(sigma_runs, _sigma_charts(data), strict=True):
         caption = (
             f"σ_G histogram over time (share of groups per step; one colour scale for all "
             f"runs, one σ range when their rewards share a scale): {_e(labels[i])}"
         )
         parts.append(_figure(caption, svg, f"chart-sigma-{i}"))
-    svg = _pass_chart(charts, data, labels)
+    svg = _pass_chart(data, labels)
     if svg is not None:
         caption = "pass@k for k = 1…N: first (dashed) vs last (solid) 10% of steps"
         parts.append(_figure(_e(caption), svg, "chart-pass-k"))
-    svg = _entropy_chart(charts, reports, labels, align, smooth)
+    svg = _entropy_chart(reports, labels, align, smooth)
     if svg is not None:
         parts.append(
             _figure(
@@ -870,7 +697,7 @@ def render_html(
                 "chart-entropy-decay",
             )
         )
-    svg = _faithfulness_chart(charts, reports, labels)
+    svg = _faithfulness_chart(reports, labels)
     if svg is not None:
         caption = "Faithfulness: answers unchanged vs share of the chain of thought kept"
         parts.append(_figure(_e(caption), svg, "chart-faithfulness"))
@@ -964,7 +791,6 @@ def write_report(
         raise RlscopeError(f"{out}: no such folder {out.parent}")
     if not os.access(out.parent, os.W_OK):
         raise RlscopeError(f"{out}: cannot write the report (folder not writable)")
-    _matplotlib()
     reports = analyze_each(
         paths,
         steps=steps,
