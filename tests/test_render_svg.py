@@ -75,3 +75,12 @@ def test_a_chart_is_well_formed_escaped_svg_with_gaps_where_values_are_missing()
         "finding",
         "spike",
     }
+
+
+def test_a_flat_series_is_drawn_at_its_own_scale() -> None:
+    """A constant learning rate of 1e-6 reads as 1e-6, not as 0 on a ±0.1 axis."""
+    chart = Chart()
+    chart.line([0, 1, 2], [1e-6, 1e-6, 1e-6], "#1f77b4")
+    labels = [e.text for e in ElementTree.fromstring(chart.svg("step", "lr")).iter()]
+    ticks = [float(t) for t in labels if t and t[0].isdigit() and "e-" in t]
+    assert ticks and min(ticks) >= 0.85e-6 and max(ticks) <= 1.15e-6

@@ -378,7 +378,7 @@ font-weight:bold;margin-right:6px}.badge.critical{background:#c62828}
 .verdict.good{color:#2e7d32}
 td.worse{color:#c62828;font-weight:bold}td.better{color:#2e7d32;font-weight:bold}
 td.differs{color:#8e24aa}table.runs td{white-space:nowrap}
-table.runs code{overflow-wrap:normal}
+table.runs code{overflow-wrap:normal}.scroll td code{overflow-wrap:normal;white-space:nowrap}
 .swatch{display:inline-block;width:12px;height:12px;margin-right:6px;vertical-align:middle}
 .dim{color:#6b6b6b;font-size:12px}code{font-size:12px;overflow-wrap:anywhere}
 details{background:#fff;border:1px solid #e6e6e6;border-radius:6px;padding:6px 10px;

@@ -183,8 +183,8 @@ class Chart:
         if self.ylim is not None:
             y0, y1 = self.ylim
         else:
-            if y1 - y0 <= 1e-12 * max(1.0, abs(y1)):
-                pad = max(abs(y1), 1.0) * 0.1 if y1 != 0 else 0.05
+            if y1 - y0 <= 1e-9 * max(abs(y0), abs(y1)):  # flat: ±10% of its own size
+                pad = abs(y1) * 0.1 if y1 != 0 else 0.05
                 y0, y1 = y0 - pad, y1 + pad
             else:
                 pad = (y1 - y0) * 0.06
