@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from rlscope._version import __version__
-from rlscope.comparison import Comparison
+from rlscope.comparison import Comparison, compare_reports, run_labels
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.plots import PlotData, plot_data
 from rlscope.render.sanitize import safe_text
 from rlscope.render.svg import Chart
+from rlscope.render.terminal import format_value, summary_line
 from rlscope.report import MetricResult, Report, run_provenance
 from rlscope.spec import LAYERS, Finding
 
@@ -402,12 +403,6 @@ def _figure(caption: str, svg: str, chart_id: str) -> str:
     )
 
 
-def _fmt(value: float | None) -> str:
-    from rlscope.render.terminal import format_value
-
-    return format_value(value)
-
-
 def _md(text: str) -> str:
     """Escaped text with `code` spans shown as code (reasons and messages quote ids)."""
     parts = _e(text).split("`")
@@ -415,8 +410,6 @@ def _md(text: str) -> str:
 
 
 def _verdict(report: Report) -> str:
-    from rlscope.render.terminal import summary_line
-
     line = summary_line(report).plain
     kind = "bad" if report.findings and report.worst_severity() != "info" else "good"
     return f"<p class='verdict {kind}'>{_e(line)}</p>"
@@ -493,7 +486,7 @@ def _compare_table(comparison: Comparison) -> str:
             if run is None:
                 cells.append(f"<td class='dim'>— ({_e(metric.missing[i])})</td>")
                 continue
-            text = _e(_fmt(run.value))
+            text = _e(format_value(run.value))
             if i > 0 and run.delta is not None:
                 text += f"<br>Δ {run.delta:+.3g}"
                 if run.interval is not None:
@@ -576,8 +569,6 @@ def render_html(
     the comparison; then each layer's charts (folded unless something there is flagged), the
     diagnostics and the example rollouts. `smooth`: the rolling-mean window (None: ~5% of the
     steps; 0: raw only)."""
-    from rlscope.comparison import run_labels
-
     labels = run_labels(reports)
     multi = len(reports) > 1
     parts = [
@@ -736,7 +727,7 @@ def _caption(metric_id: str, reports: Sequence[Report], labels: Sequence[str]) -
     )
     title = first.title if first is not None else ""
     values = "; ".join(
-        f"{_e(label)} {_e(_fmt(r.metrics[metric_id].value))}"
+        f"{_e(label)} {_e(format_value(r.metrics[metric_id].value))}"
         for r, label in zip(reports, labels, strict=True)
         if metric_id in r.metrics
     )
@@ -770,7 +761,6 @@ def write_report(
     With `from_format`, each path is a trainer's output, imported as `analyze` does; `smooth`
     the charts' rolling-mean window in steps (None: ~5% of the steps, 0: none)."""
     from rlscope.analysis import analyze_each
-    from rlscope.comparison import compare_reports
 
     if not paths:
         raise RlscopeError("report needs at least one run")
