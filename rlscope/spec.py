@@ -253,10 +253,6 @@ class Rule:
         }
 
 
-#: Evidence keys with a meaning shared by every finding (the rest are the rule's own numbers).
-SHARED_EVIDENCE = ("metrics", "steps", "rollout_ids", "rollouts")
-
-
 @dataclass(frozen=True)
 class Finding:
     """A diagnosis: what is wrong, how sure, and the evidence behind it.

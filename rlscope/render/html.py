@@ -8,7 +8,6 @@ nothing from the data can run or call home.
 
 from __future__ import annotations
 
-import html
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -22,6 +21,7 @@ from rlscope.errors import RlscopeError
 from rlscope.plots import PlotData, plot_data
 from rlscope.render.sanitize import safe_text
 from rlscope.render.svg import Chart
+from rlscope.render.svg import escape as _e
 from rlscope.render.terminal import format_value, summary_line
 from rlscope.report import MetricResult, Report, run_provenance
 from rlscope.spec import LAYERS, Finding
@@ -83,13 +83,12 @@ def rolling_mean(values: Sequence[float | None], window: int) -> list[float]:
     defined = np.isfinite(y)
     sums = np.concatenate([[0.0], np.cumsum(np.where(defined, y, 0.0))])
     counts = np.concatenate([[0], np.cumsum(defined)])
-    half = window // 2
-    out = []
-    for i in range(len(y)):
-        a, b = max(0, i - half), min(len(y), i + half + 1)
-        n = counts[b] - counts[a]
-        out.append(float((sums[b] - sums[a]) / n) if n else float("nan"))
-    return out
+    index = np.arange(len(y))
+    a = np.maximum(index - window // 2, 0)
+    b = np.minimum(index + window // 2 + 1, len(y))
+    n = counts[b] - counts[a]
+    means = np.divide(sums[b] - sums[a], n, out=np.full(len(y), np.nan), where=n > 0)
+    return [float(v) for v in means]
 
 
 def _series(
@@ -390,10 +389,6 @@ article.rollout{background:#fff;border:1px solid #e6e6e6;border-radius:6px;paddi
 margin:0 0 10px}
 @media (max-width:600px){main{padding:8px}h1{font-size:19px}}
 """
-
-
-def _e(text: object) -> str:
-    return html.escape(str(text), quote=True)
 
 
 def _figure(caption: str, svg: str, chart_id: str) -> str:

@@ -34,7 +34,8 @@ VIRIDIS = (
 _ids = itertools.count()
 
 
-def _e(text: object) -> str:
+def escape(text: object) -> str:
+    """Text for an SVG or HTML text node or attribute (the page's one escaping)."""
     return html.escape(str(text), quote=True)
 
 
@@ -250,25 +251,25 @@ class Chart:
                 f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{base:.1f}" '
                 f'y2="{base + TICK:.1f}" stroke="#444"/>'
                 f'<text x="{px(t):.1f}" y="{base + TICK + FONT:.1f}" text-anchor="middle" '
-                f'fill="#333">{_e(tick_label(t))}</text>'
+                f'fill="#333">{escape(tick_label(t))}</text>'
             )
         for t in yticks:
             out.append(
                 f'<line x1="{left - TICK:.1f}" x2="{left:.1f}" y1="{py(t):.1f}" '
                 f'y2="{py(t):.1f}" stroke="#444"/>'
                 f'<text x="{left - TICK - 2:.1f}" y="{py(t) + FONT * 0.35:.1f}" '
-                f'text-anchor="end" fill="#333">{_e(tick_label(t))}</text>'
+                f'text-anchor="end" fill="#333">{escape(tick_label(t))}</text>'
             )
         label_y = base + TICK + FONT + 4 + FONT
         out.append(
             f'<text x="{left + plot_w / 2:.1f}" y="{label_y:.1f}" text-anchor="middle" '
-            f'fill="#222">{_e(xlabel)}</text>'
+            f'fill="#222">{escape(xlabel)}</text>'
         )
         for n, line in enumerate(ylines):
             x = 8 + FONT + n * FONT * 1.3
             out.append(
                 f'<text transform="translate({x:.1f},{top + plot_h / 2:.1f}) rotate(-90)" '
-                f'text-anchor="middle" fill="#222">{_e(line)}</text>'
+                f'text-anchor="middle" fill="#222">{escape(line)}</text>'
             )
         if image is not None:
             out += self._colorbar(image, left + plot_w + 10, top, plot_h)
@@ -281,7 +282,7 @@ class Chart:
                 y = label_y + 10 + row * 15
                 out.append(
                     _swatch(item, x, y) + f'<text x="{x + 24:.1f}" y="{y + 4:.1f}" '
-                    f'fill="#333">{_e(item.label)}</text>'
+                    f'fill="#333">{escape(item.label)}</text>'
                 )
             out.append("</g>")
         out.append("</svg>")
@@ -390,12 +391,12 @@ class Chart:
             y = top + height * (1 - t / vmax)
             out.append(
                 f'<text x="{x + 13:.1f}" y="{y + FONT * 0.35:.1f}" font-size="{FONT - 1}" '
-                f'fill="#333">{_e(tick_label(t))}</text>'
+                f'fill="#333">{escape(tick_label(t))}</text>'
             )
         out.append(
             f'<text transform="translate({x + 50:.1f},{top + height / 2:.1f}) rotate(-90)" '
             f'text-anchor="middle" font-size="{FONT - 1}" fill="#222">'
-            f"{_e(item.extra['bar'])}</text>"
+            f"{escape(item.extra['bar'])}</text>"
         )
         return out
 

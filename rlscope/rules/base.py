@@ -233,6 +233,11 @@ class Level:
     level: float  # what was judged: the value, or 1 - value, less what another finding explains
     severity: Severity
 
+    @property
+    def window(self) -> list[int]:
+        """The final window's first and last step (the evidence `steps` of a level finding)."""
+        return [final_steps(self.series), int(self.series.steps[-1])]
+
 
 def final_level(
     ctx: RuleContext, metric_id: str, *, complement: bool = False, excused: float = 0.0

@@ -144,7 +144,7 @@ def kl_high(ctx: RuleContext) -> Iterator[Finding]:
             "policy has drifted far from its starting model.",
             severity=found.severity,
             final_kl=found.level,
-            steps=[final_steps(found.series), int(found.series.steps[-1])],
+            steps=found.window,
         )
 
 
@@ -324,7 +324,7 @@ def clip_too_high(ctx: RuleContext) -> Iterator[Finding]:
         "policy far past the trust region.",
         severity=found.severity,
         clip_frac_end=found.level,
-        steps=[final_steps(found.series), int(found.series.steps[-1])],
+        steps=found.window,
     )
 
 
