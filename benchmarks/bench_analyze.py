@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
 CACHE = ROOT / ".bench"
 RLSCOPE = [sys.executable, "-m", "rlscope"]
 #: The token columns `analyze` reads on these runs (checked against its plan in `main`).
@@ -192,6 +193,40 @@ def incremental(run: Path, repeat: int) -> dict[str, float]:
     }
 
 
+def layouts(tokens: int, repeat: int, cache: Path) -> list[dict[str, Any]]:
+    """A run of `tokens` token rows in each file layout (benchmarks/layouts.py): analyze with
+    every metric and the bare scan, round robin, median of `repeat` runs (peak RSS: the
+    largest)."""
+
+    import pyarrow.parquet as pq
+    from layouts import LAYOUTS, ensure_layout
+
+    base = ensure_run(tokens, cache)
+    rows = []
+    for layout in LAYOUTS:
+        run = ensure_layout(base, layout)
+        files = sorted((run / "tokens").glob("*.parquet"))
+        bare = [sys.executable, "-c", BARE_SCAN.format(cols=TOKEN_COLUMNS), str(run)]
+        commands = {"analyze": analyze_cmd(run, "--no-cache"), "bare": bare}
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+        for _ in range(repeat):
+            for name, cmd in commands.items():
+                runs[name].append(timed(cmd))
+        n, _ = token_rows(run)
+        result: dict[str, Any] = {
+            "layout": layout.what,
+            "tokens": n,
+            "files": len(files),
+            "row_group": pq.read_metadata(files[0]).row_group(0).num_rows,
+        }
+        for name, measured in runs.items():
+            times = sorted(t for t, _ in measured)
+            result[name] = (times[repeat // 2], max(r for _, r in measured))
+        rows.append(result)
+        print(json.dumps(result), file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
@@ -200,6 +235,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RESULTS.md")
     parser.add_argument("--cache", type=Path, default=CACHE, help="where the runs are kept")
+    parser.add_argument(
+        "--layout-tokens",
+        type=int,
+        default=200_000_000,
+        help="token rows of the run timed in four file layouts (0: none)",
+    )
     args = parser.parse_args()
     threads = os.cpu_count() or 1
     rows, incr = [], {}
@@ -226,8 +267,9 @@ def main() -> None:
     # Incremental re-analysis on the largest run.
     incr = incremental(ensure_run(args.tokens[-1], args.cache), args.repeat)
     print(json.dumps(incr), file=sys.stderr)
+    laid = layouts(args.layout_tokens, args.repeat, args.cache) if args.layout_tokens else []
     args.steal = steal_share(steal_before, cpu_times())
-    write_results(args, rows, incr)
+    write_results(args, rows, incr, laid)
 
 
 def cpu_times() -> list[int]:
@@ -246,7 +288,9 @@ def steal_share(before: list[int], after: list[int]) -> float | None:
     return delta[7] / sum(delta) if sum(delta) else None
 
 
-def write_results(args: argparse.Namespace, rows: list[dict], incr: dict[str, float]) -> None:
+def write_results(
+    args: argparse.Namespace, rows: list[dict], incr: dict[str, float], laid: list[dict]
+) -> None:
     lines = [
         "# rlscope analyze benchmark",
         "",
@@ -299,6 +343,29 @@ def write_results(args: argparse.Namespace, rows: list[dict], incr: dict[str, fl
         f"| {incr['files']:,} | {incr['fill_s']:.1f} | {incr['cached_s']:.1f} "
         f"| {incr['appended_s']:.1f} | {incr['appended_rss_gib']:.2f} | {incr['appended_read']} |",
     ]
+    if laid:
+        lines += [
+            "",
+            "## File layouts",
+            "",
+            f"The same ~{laid[0]['tokens'] / 1e6:.0f}M-token run with its token table written in "
+            "the layouts trainers use (`benchmarks/layouts.py`; the other tables unchanged), each "
+            f"timed {args.repeat} times, round robin: `analyze --no-cache` with every metric, and "
+            "the bare scan of the same columns. The working set is bounded by rows in flight "
+            "(batches of at most 400k rows and 24 MiB decoded, read through an 8 MiB buffer; a "
+            "large file is reduced in pieces of row groups by every worker), not by files or row "
+            "groups; thousands of files' partials are folded as they come.",
+            "",
+            "| layout | token rows | files | rows in the first row group | analyze (s) "
+            "| peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | analyze / scan |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in laid:
+            (at, arss), (bt, brss) = r["analyze"], r["bare"]
+            lines.append(
+                f"| {r['layout']} | {r['tokens']:,} | {r['files']:,} | {r['row_group']:,} "
+                f"| {at:.1f} | {arss:.2f} | {bt:.1f} | {brss:.2f} | {at / bt:.2f} |"
+            )
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -99,6 +99,7 @@ def analyze(
         n_tokens=_token_rows(run, computed),
         token_files=computed.tokens.files,
         token_files_read=computed.tokens.files_read,
+        table_files={t: (r.files, r.files_read) for t, r in computed.tables.items()},
         tables=tuple(run.tables),
         meta=dict(run.meta),
     )

@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import polars as pl
 
 from rlscope.atomic import atomic_write
 from rlscope.reader import Run
-from rlscope.tokenscan import FILE_ID, LEVEL_KEYS, TokenFile, TokenPlan, value_columns
+from rlscope.tokenscan import FILE_ID, LEVEL_KEYS, TokenFile, TokenPlan, merge, value_columns
 
 
 def cache_root(override: str | os.PathLike[str] | None = None) -> Path:
@@ -57,104 +57,279 @@ def import_cache_dir(
     return cache_root(root) / "imports" / f"{Path(source).resolve().name}-{format}-{digest}"
 
 
+class Parts:
+    """Per-file frames on disk, in parts: a folder holds `MANIFEST` (the parts that make the
+    store, a JSON list) and one folder per part — `files.arrow` (each of its files' key and id)
+    and one Arrow IPC file per frame name with those files' rows tagged by id — so loading
+    costs a read per part and name whatever the number of files.
+
+    Writing is incremental: the files an analysis reads are written as new parts as they come
+    (a part per PART_ROWS rows, so they are never all held), then named in a new manifest (an
+    atomic rename): readers see the old store or the new one, and a file appended to a run
+    costs that file's frames only. Parts whose files are all gone leave the manifest (and the
+    disk); past MAX_PARTS parts the small ones (under a quarter of the largest: the appends of
+    a live run) are merged into one, and when gone files hold half the rows every live file's
+    frames are rewritten into one part. A read-only or full cache dir costs speed, never a
+    result."""
+
+    #: Files' frames are concatenated (tagged by id) every TAG_FILES files, and written as a
+    #: part once they hold PART_ROWS rows.
+    TAG_FILES = 256
+    PART_ROWS = 2_000_000
+    MAX_PARTS = 16
+
+    def __init__(self, folder: Path, names: Sequence[str]) -> None:
+        self.folder, self.names = folder, list(names)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._broken = False
+        self._manifest: list[str] = []
+        self._live: dict[str, list[int]] = {}  # part -> ids of its files still in the run
+        self._index: dict[str, dict[int, int]] = {}  # part -> id -> index in `open`'s keys
+        self._files: dict[str, int] = {}  # part -> files it holds
+        self._pending: list[tuple[str, Mapping[str, pl.DataFrame]]] = []
+        self._keys: list[str] = []  # of the tagged frames not yet written
+        self._tagged: dict[str, list[pl.DataFrame]] = {}
+        self._written: list[str] = []
+
+    def open(self, keys: Sequence[str]) -> list[bool]:
+        """Which of `keys` the store holds (nothing when it is absent or unreadable)."""
+        position = {key: i for i, key in enumerate(keys)}
+        try:
+            self._manifest = json.loads((self.folder / "MANIFEST").read_text())
+            for part in self._manifest:
+                known = pl.read_ipc(self.folder / part / "files.arrow")
+                live = known.filter(pl.col("key").is_in(list(position)))
+                self._files[part] = known.height
+                self._live[part] = live["id"].to_list()
+                self._index[part] = {
+                    i: position.pop(k)
+                    for i, k in zip(live["id"].to_list(), live["key"].to_list(), strict=True)
+                    if k in position
+                }
+        except (OSError, ValueError, pl.exceptions.PolarsError):
+            self._reset()
+            return [False] * len(keys)
+        return [k not in position for k in keys]
+
+    def scans(self, name: str) -> list[pl.LazyFrame]:
+        """Per part with a live file, its rows of `name` of the live files, FILE_ID being the
+        file's index in the keys given to `open`."""
+        out = []
+        for part in self._manifest:
+            if not self._index.get(part):
+                continue
+            index = pl.DataFrame(
+                {FILE_ID: list(self._index[part]), "__index__": list(self._index[part].values())},
+                schema={FILE_ID: pl.Int64, "__index__": pl.Int64},
+            )
+            out.append(
+                pl.scan_ipc(self.folder / part / f"{name}.arrow")
+                .join(index.lazy(), on=FILE_ID)
+                .with_columns(pl.col("__index__").alias(FILE_ID))
+                .drop("__index__")
+            )
+        return out
+
+    def add(self, key: str, frames: Mapping[str, pl.DataFrame]) -> None:
+        """A file read now: its frames go out with the next part written."""
+        self._pending.append((key, frames))
+        if len(self._pending) >= self.TAG_FILES:
+            self._tag()
+
+    def _tag(self) -> None:
+        """The pending files' frames as one frame per name, tagged by id; a part written once
+        they hold PART_ROWS rows."""
+        for i, (key, one) in enumerate(self._pending, start=len(self._keys)):
+            for name in self.names:
+                if one[name].height:
+                    tagged = one[name].with_columns(pl.lit(i, pl.Int64).alias(FILE_ID))
+                    self._tagged.setdefault(name, []).append(tagged)
+            self._keys.append(key)
+        self._pending = []
+        for name, frames in self._tagged.items():
+            self._tagged[name] = [pl.concat(frames, how="diagonal_relaxed")] if frames else []
+        if sum(f.height for frames in self._tagged.values() for f in frames) >= self.PART_ROWS:
+            self._write_tagged()
+
+    def _write_tagged(self) -> None:
+        if self._keys and not self._broken:
+            try:
+                part = self._write_part(self._keys, self._tagged)
+            except OSError:
+                self._broken = True
+            else:
+                self._written.append(part)
+                self._files[part] = len(self._keys)
+                self._live[part] = list(range(len(self._keys)))
+        self._keys, self._tagged = [], {}
+
+    def _write_part(self, keys: list[str], tagged: Mapping[str, list[pl.DataFrame]]) -> str:
+        """A new part folder: `keys` (file i has id i) and each name's frames tagged by id."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(dir=self.folder, prefix="part-"))
+        files = pl.DataFrame(
+            {"key": keys, "id": range(len(keys))}, schema={"key": pl.String, "id": pl.Int64}
+        )
+        files.write_ipc(folder / "files.arrow")
+        for name in self.names:
+            frames = tagged.get(name, [])
+            pack = (
+                pl.concat(frames, how="diagonal_relaxed")
+                if frames
+                else pl.DataFrame(schema={FILE_ID: pl.Int64})
+            )
+            pack.write_ipc(folder / f"{name}.arrow")
+        return folder.name
+
+    def commit(self) -> None:
+        """The new manifest: the loaded parts that still have a file in the run, then the new
+        ones; compacted when they are many or mostly stale."""
+        self._tag()
+        self._write_tagged()
+        if not self._written or self._broken:
+            return
+        parts = [part for part in self._manifest if self._live.get(part)] + self._written
+        live = sum(len(self._live[part]) for part in parts)
+        try:
+            if sum(self._files[part] for part in parts) > 2 * live:
+                parts = [self._compacted(parts)]
+            elif len(parts) > self.MAX_PARTS:
+                largest = max(self._files[part] for part in parts)
+                small = [part for part in parts if self._files[part] * 4 < largest]
+                merged = small if len(small) >= 2 else parts
+                parts = [part for part in parts if part not in merged]
+                parts.append(self._compacted(merged))
+            atomic_write(self.folder / "MANIFEST", json.dumps(parts))
+        except (OSError, pl.exceptions.PolarsError):
+            return
+        for old in {*self._manifest, *self._written} - set(parts):  # a reader may hold one
+            shutil.rmtree(self.folder / old, ignore_errors=True)
+
+    def _compacted(self, parts: list[str]) -> str:
+        """The live files' frames of `parts` rewritten as one part (ids renumbered)."""
+        keys: list[str] = []
+        tagged: dict[str, list[pl.DataFrame]] = {name: [] for name in self.names}
+        for part in parts:
+            known = pl.read_ipc(self.folder / part / "files.arrow")
+            known = known.filter(pl.col("id").is_in(self._live[part])).sort("id")
+            first = len(keys)
+            renumber = known.select(
+                pl.col("id").alias(FILE_ID),
+                pl.int_range(first, first + known.height, dtype=pl.Int64).alias("new"),
+            )
+            keys += known["key"].to_list()
+            for name in self.names:
+                frame = pl.read_ipc(self.folder / part / f"{name}.arrow")
+                if frame.height:
+                    tagged[name].append(
+                        frame.join(renumber, on=FILE_ID)
+                        .with_columns(pl.col("new").alias(FILE_ID))
+                        .drop("new")
+                    )
+        part = self._write_part(keys, tagged)
+        self._files[part], self._live[part] = len(keys), list(range(len(keys)))
+        return part
+
+
+def file_key(
+    path: Path, stat: tuple[int, int, int], schema: Mapping[str, Any], hive: Mapping[str, str]
+) -> str:
+    """A file's cache key: its resolved path, size, mtime, inode and the types and hive values
+    it is read with, so a rewritten or replaced file is never served stale."""
+    size, mtime_ns, inode = stat
+    parts = [
+        str(path.resolve()),
+        str(size),
+        str(mtime_ns),
+        str(inode),
+        repr(sorted((c, str(t)) for c, t in schema.items())),
+        repr(sorted(hive.items())),
+    ]
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
+
+
+def _run_digest(run: Run) -> str:
+    return hashlib.blake2b(str(run.path.resolve()).encode(), digest_size=16).hexdigest()
+
+
 class PartialCache:
-    """File partials on disk, per run and plan: `<root>/token-partials/<plan>/<run>/` holds the
-    current generation of a pack — `files.arrow` (each cached file's key and id) and one Arrow
-    IPC file per level with the partials of every cached file, tagged by id — so loading costs
-    one read per level whatever the number of files. A file's key is its resolved path, size,
-    mtime, inode and the types and hive values it is read with: a rewritten or replaced file is
-    never served stale. A new generation is written in its own folder and then named in
-    `CURRENT` (an atomic rename): readers see a whole pack or the previous one."""
+    """What rlscope keeps between analyses of a run, in the user cache dir (see `Parts`):
+    `token-partials/<plan>/<run>/`, each token file's partials (loaded summed), and
+    `table-partials/<table>/<plan>/<run>/`, each steps or rollouts file's step-local
+    aggregates (loaded as rows tagged by file)."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
-        self.root = cache_root(root) / "token-partials"
-        self.loaded: dict[str, pl.DataFrame] = {}  # by `load`: every hit's partials, merged
-        self._ids: dict[str, int] = {}  # key -> id of the files found by `load`
-        self._packs: dict[str, pl.DataFrame] = {}
+        self.base = cache_root(root)
+        self.root = self.base / "token-partials"
+        self.loaded: dict[str, pl.DataFrame] = {}  # by `load`: every hit's partials, summed
+        self._tokens: Parts | None = None
+        self._tables: dict[str, tuple[Parts, list[str]]] = {}  # table -> store, file keys
 
     @staticmethod
     def key(file: TokenFile) -> str:
-        size, mtime_ns, inode = file.stat
-        parts = [
-            str(file.path.resolve()),
-            str(size),
-            str(mtime_ns),
-            str(inode),
-            repr(sorted((c, str(t)) for c, t in file.schema.items() if c in file.target)),
-            repr(sorted(file.hive.items())),
-        ]
-        return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
+        schema = {c: t for c, t in file.schema.items() if c in file.target}
+        return file_key(file.path, file.stat, schema, file.hive)
 
     def folder(self, run: Run, fingerprint: str) -> Path:
-        digest = hashlib.blake2b(str(run.path.resolve()).encode(), digest_size=16).hexdigest()
-        return self.root / fingerprint / digest
+        return self.root / fingerprint / _run_digest(run)
 
     def load(
         self, run: Run, files: list[TokenFile], plan: TokenPlan, fingerprint: str
     ) -> list[bool]:
-        """Which files have cached partials; theirs, merged, are left in `self.loaded`."""
-        self.loaded, self._ids, self._packs = {}, {}, {}
-        folder = self.folder(run, fingerprint)
+        """Which token files have cached partials; theirs, summed, are left in `self.loaded`."""
+        self.loaded = {}
+        self._tokens = Parts(self.folder(run, fingerprint), [_pack_name(lv) for lv in plan.levels])
+        hits = self._tokens.open([self.key(f) for f in files])
+        if not any(hits):
+            return hits
+        queries = []
+        for level in plan.levels:
+            keys, values = LEVEL_KEYS[level], value_columns(level, plan)
+            queries += [
+                scan.group_by(keys).agg(pl.col(v).sum() for v in values)
+                for scan in self._tokens.scans(_pack_name(level))
+            ]
         try:
-            generation = folder / (folder / "CURRENT").read_text().strip()
-            known = pl.read_ipc(generation / "files.arrow")
-            packs = {lv: pl.read_ipc(generation / f"{_pack_name(lv)}.arrow") for lv in plan.levels}
+            frames = pl.collect_all(queries)
         except (OSError, pl.exceptions.PolarsError):
-            return [False] * len(files)  # nothing yet, or unreadable: recompute
-        columns = {lv: [*LEVEL_KEYS[lv], *value_columns(lv, plan)] for lv in plan.levels}
-        if any(c not in packs[lv].columns for lv, cols in columns.items() for c in cols):
+            self._tokens = Parts(self._tokens.folder, self._tokens.names)
             return [False] * len(files)
-        stored = dict(zip(known["key"].to_list(), known["id"].to_list(), strict=True))
-        keys = [self.key(f) for f in files]
-        self._ids = {k: stored[k] for k in keys if k in stored}
-        hits = pl.Series(list(self._ids.values()), dtype=pl.Int64)
-        self._packs = {
-            lv: pack.filter(pl.col(FILE_ID).is_in(hits.implode())) for lv, pack in packs.items()
-        }
-        self.loaded = {lv: self._packs[lv].select(columns[lv]) for lv in plan.levels}
-        return [k in self._ids for k in keys]
+        per_level = len(frames) // len(plan.levels)
+        summed = [
+            {lv: frames[i * per_level + j] for i, lv in enumerate(plan.levels)}
+            for j in range(per_level)
+        ]
+        self.loaded = merge(summed, plan)
+        return hits
 
-    def store(
-        self,
-        run: Run,
-        fingerprint: str,
-        new: list[tuple[TokenFile, Mapping[str, pl.DataFrame]]],
-        plan: TokenPlan,
-    ) -> None:
-        """A new generation: the loaded files' partials plus the new ones (the files of this
-        snapshot only). A read-only or full cache dir costs speed, never a result."""
-        if not new:
-            return
-        ids = dict(self._ids)
-        next_id = max(ids.values(), default=-1) + 1
-        tagged: dict[str, list[pl.DataFrame]] = {lv: [] for lv in plan.levels}
-        for file, partials in new:
-            ids[self.key(file)] = next_id
-            for level in plan.levels:
-                tagged[level].append(
-                    partials[level].with_columns(pl.lit(next_id, pl.Int64).alias(FILE_ID))
-                )
-            next_id += 1
-        folder = self.folder(run, fingerprint)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            generation = Path(tempfile.mkdtemp(dir=folder, prefix="gen-"))
-            files = pl.DataFrame(
-                {"key": list(ids), "id": list(ids.values())},
-                schema={"key": pl.String, "id": pl.Int64},
+    def add(self, file: TokenFile, partials: Mapping[str, pl.DataFrame]) -> None:
+        """A token file read now: its partials go out with the next part written."""
+        if self._tokens is not None:
+            self._tokens.add(self.key(file), {_pack_name(lv): f for lv, f in partials.items()})
+
+    def commit(self) -> None:
+        if self._tokens is not None:
+            self._tokens.commit()
+
+    def file_keys(self, run: Run, table: str) -> list[str]:
+        """Each file of `table`'s cache key (see `file_key`)."""
+        files = run.tables[table]
+        hive = files.file_hive or tuple({} for _ in files.files)
+        return [
+            file_key(path, stat, schema, values)
+            for path, stat, schema, values in zip(
+                files.files, files.file_stats, files.file_schemas, hive, strict=True
             )
-            files.write_ipc(generation / "files.arrow")
-            for level in plan.levels:
-                old = self._packs.get(level)
-                frames = ([old] if old is not None and old.height else []) + tagged[level]
-                pack = pl.concat(frames, how="diagonal_relaxed")
-                pack.write_ipc(generation / f"{_pack_name(level)}.arrow")
-            atomic_write(folder / "CURRENT", generation.name)
-        except OSError:
-            return
-        for stale in folder.glob("gen-*"):  # earlier generations (a reader may still hold one)
-            if stale != generation:
-                shutil.rmtree(stale, ignore_errors=True)
+        ]
+
+    def table_frames(
+        self, run: Run, table: str, role: str, fingerprint: str, names: Sequence[str]
+    ) -> Parts:
+        """The store of `table`'s per-file (or per-group-of-files) frames of one kind."""
+        folder = self.base / "table-partials" / table / role / fingerprint / _run_digest(run)
+        return Parts(folder, names)
 
 
 def _pack_name(level: str) -> str:

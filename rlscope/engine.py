@@ -16,10 +16,12 @@ from rlscope.errors import RlscopeError
 from rlscope.reader import INVALID_PREFIX, Run, invalid_warnings, scan_error, valid_rollout
 from rlscope.report import Logged, MetricResult, Skipped
 from rlscope.spec import Metric, Variant, split_column
+from rlscope.steplocal import TableRead, TableStore, read_step_local
+from rlscope.steplocal import fingerprint as steplocal_fingerprint
 from rlscope.text import TextSettings
 from rlscope.tokenscan import ROWS, Mapper, PartialStore, ScanStats, TokenPlan, scan_tokens
 from rlscope.trajectory import decline_shape
-from rlscope.windows import final_window
+from rlscope.windows import final_window, window_size
 
 GROUP_KEYS = ("split", "step", "prompt_id")
 ROLLOUT_KEYS = (*GROUP_KEYS, "rollout_id")
@@ -28,6 +30,13 @@ GROUP_SIZE = {"n": pl.len().cast(pl.Int64)}
 PROBE_KEYS = ("rollout_id", "step", "split", "intervention", "fraction")
 #: Why a metric is skipped in a run with a steps table and no rollouts table.
 STEPS_ONLY = "no rollouts table: the trainer logged step metrics only"
+ROLLOUT_LEVEL = ("rollouts", "rollout")
+#: Rollouts per range of steps of the per-rollout level (text features are computed and
+#: reduced one range at a time; 5M responses: 20 ranges, ~0.1 s of overhead each).
+ROLLOUT_CHUNK = 250_000
+#: Train rollouts of the final window's latest steps that findings pick example rollouts from
+#: (a handful each): they are read again on every analysis, so they are capped.
+RECENT_ROLLOUTS = 20_000
 #: Rows per streaming morsel of the per-rollout text query (Polars' default is ~100k rows:
 #: with long responses and their word lists, that is what sets the peak memory).
 TEXT_MORSEL_ROWS = 10_000
@@ -45,6 +54,7 @@ class Computed:
     # Data problems met while scanning (NaN/inf counts, tokens without a rollout).
     warnings: tuple[str, ...] = ()
     tokens: ScanStats = field(default_factory=ScanStats)  # what the token scan read
+    tables: dict[str, TableRead] = field(default_factory=dict)  # steps, rollouts: files read
 
 
 def choose_variant(metric: Metric, run: Run, first: int = 0) -> Variant | str:
@@ -104,6 +114,7 @@ def aggregate_query(
     partials: dict[str, pl.Expr],
     count_invalid: Iterable[str] | None = None,
     prelude: dict[str, pl.Expr] | None = None,
+    steps: tuple[int, int] | None = None,
 ) -> pl.LazyFrame:
     """One scan of `table` (steps, rollouts or probes; tokens go through `tokenscan`),
     aggregated to `level` with every requested partial, plus the number of NaN/inf values of
@@ -118,6 +129,8 @@ def aggregate_query(
         return probes_query(run).select(*PROBE_KEYS, *exprs)
     if table == "rollouts" and level == "rollout":
         lf = run.scan("rollouts").filter(valid_rollout())
+        if steps is not None:
+            lf = lf.filter(pl.col("step").is_between(*steps))
         for name, expr in (prelude or {}).items():
             lf = lf.with_columns(expr.alias(name))
         return lf.select(*ROLLOUT_KEYS, *exprs)
@@ -254,19 +267,12 @@ def compute(
     token_levels = [level for table, level in levels if table == "tokens"]
     if token_levels and "" not in token_levels:
         token_levels.insert(0, "")  # the token scan always counts rows and NaN/inf per step
-    levels = [key for key in levels if key[0] != "tokens"]
-    queries = []
+    levels = [key for key in levels if key[0] == "probes"]
     counted: dict[tuple[str, str], list[str]] = {}
-    for table, level in levels:
-        partials = _merged_partials(by_level[table, level], context)
-        # NaN/inf counts ride along the steps scan (rollouts: the reader counts them over all
-        # rows, before rows are left out; probes are few and not aggregated).
-        if table == "steps":
-            counted[table, level] = _float_columns_used(run, table, partials)
-        prelude = _merged_partials(by_level[table, level], context, prelude=True)
-        queries.append(
-            aggregate_query(run, table, level, partials, counted.get((table, level)), prelude)
-        )
+    queries = [
+        aggregate_query(run, table, level, _merged_partials(by_level[table, level], context))
+        for table, level in levels
+    ]
     warnings: list[str] = []
     scan_stats = ScanStats()
     token_frames: dict[str, pl.DataFrame] = {}
@@ -285,21 +291,33 @@ def compute(
             raise scan_error(run, ["tokens"], "reading tokens", exc) from None
         counted["tokens", ""] = list(token_plan.count_invalid)
         warnings += [orphans] if orphans else []
-    tables = list(dict.fromkeys(table for table, _ in levels))
-    what = "reading " + ", ".join(tables)
-    # The per-rollout text query runs alone, in small morsels: a morsel of long responses and
-    # their word lists is what bounds its memory (the other scans keep Polars' default).
-    text_query = (
-        levels.index(("rollouts", "rollout")) if ("rollouts", "rollout") in levels else None
-    )
-    if text_query is not None:
-        text_frame = _collect([queries.pop(text_query)], what, run, tables, TEXT_MORSEL_ROWS)
-    collected = _collect(queries, what, run, tables)
-    if text_query is not None:
-        collected.insert(text_query, text_frame[0])
+    collected = _collect(queries, "reading probes", run, ["probes"])
     for level in token_levels:
         levels.append(("tokens", level))
         collected.append(token_frames[level])
+    # The steps and rollouts tables, each file's results cached (see rlscope.steplocal).
+    store = cache if isinstance(cache, TableStore) else None
+    rollout_level = (
+        RolloutLevel.of(run, chosen, by_level[ROLLOUT_LEVEL], available, context)
+        if ROLLOUT_LEVEL in by_level
+        else None
+    )
+    series_frames: dict[str, pl.DataFrame] = {}
+    table_reads: dict[str, TableRead] = {}
+    for table in ("steps", "rollouts"):
+        wanted = (table, "") in by_level or (table == "rollouts" and rollout_level is not None)
+        if table not in run.tables or not wanted:
+            continue
+        read = _table_reader(run, table, by_level.get((table, "")), rollout_level, context)
+        if table == "steps":
+            counted[table, ""] = read.counted
+        frames, table_reads[table] = read_step_local(
+            run, table, read.names, read.frames_of, store=store, fingerprint=read.fingerprint
+        )
+        if "level" in frames:
+            levels.append((table, ""))
+            collected.append(frames.pop("level"))
+        series_frames |= {name.removeprefix("series:"): f for name, f in frames.items()}
     run.check_unchanged()  # every file read is the one listed at open
     aggregates = {}
     for key, frame in zip(levels, collected, strict=True):
@@ -318,11 +336,19 @@ def compute(
 
     context.pass_k = resolve_pass_k(run, aggregates.get(("rollouts", "")))
     context.aggregates = aggregates
-    ids = list(chosen)
+    ids = [i for i in chosen if (chosen[i].table, chosen[i].level) != ROLLOUT_LEVEL]
     series_queries = [
         chosen[i].series(aggregates[chosen[i].table, chosen[i].level].lazy(), context) for i in ids
     ]
     frames = dict(zip(ids, _collect(series_queries, "computing metrics"), strict=True))
+    alternates: dict[str, pl.DataFrame] = {}
+    if rollout_level is not None:
+        frames |= {i: series_frames[i] for i in rollout_level.direct}
+        alternates = {i: series_frames[i].sort("step") for i in rollout_level.fallback}
+        recent = rollout_level.recent(run, _train_steps(run, aggregates.get(("rollouts", ""))))
+        if recent is not None:
+            aggregates[ROLLOUT_LEVEL] = recent
+        ids = list(chosen)
 
     results: dict[str, MetricResult] = {}
     fallback: dict[str, int] = {}
@@ -333,11 +359,17 @@ def compute(
         values = _floats(frame["value"])
         steps = [int(s) for s in frame["step"].to_list()]
         if not any(v is not None for v in values):
-            source = aggregates[variant.table, variant.level]
+            source = aggregates.get((variant.table, variant.level), pl.DataFrame())
             reason = _empty_reason(frame, variant, source)
             after = metric.variants.index(variant) + 1
             nxt = choose_variant(metric, run, after)
-            found = None if isinstance(nxt, str) else _from_aggregates(nxt, aggregates, context)
+            found = (
+                None
+                if isinstance(nxt, str)
+                else alternates.get(metric_id)
+                if (nxt.table, nxt.level) == ROLLOUT_LEVEL
+                else _from_aggregates(nxt, aggregates, context)
+            )
             if isinstance(nxt, str):
                 skipped.append(Skipped(metric_id, reason, metric.layer))
                 continue
@@ -374,7 +406,14 @@ def compute(
             unit=metric.unit,
         )
     computed = Computed(
-        results, frames, tuple(skipped), aggregates, context, tuple(warnings), scan_stats
+        results,
+        frames,
+        tuple(skipped),
+        aggregates,
+        context,
+        tuple(warnings),
+        scan_stats,
+        table_reads,
     )
     if fallback:
         again = compute(
@@ -382,6 +421,168 @@ def compute(
         )
         computed = _merged(computed, again, list(available))
     return computed
+
+
+@dataclass(frozen=True)
+class RolloutLevel:
+    """The per-rollout level's work: its partials and prelude, the chosen metrics' variants
+    (`direct`) and the per-rollout fallbacks of other metrics computed from the same rows."""
+
+    partials: dict[str, pl.Expr]
+    prelude: dict[str, pl.Expr]
+    direct: dict[str, Variant]
+    fallback: dict[str, Variant]
+
+    @classmethod
+    def of(
+        cls,
+        run: Run,
+        chosen: Mapping[str, Variant],
+        variants: list[Variant],
+        available: Mapping[str, Metric],
+        ctx: MetricContext,
+    ) -> RolloutLevel:
+        partials = _merged_partials(variants, ctx)
+        direct = {i: v for i, v in chosen.items() if (v.table, v.level) == ROLLOUT_LEVEL}
+        fallback = {}
+        for metric_id, variant in chosen.items():
+            if metric_id in direct:
+                continue
+            metric = available[metric_id]
+            nxt = choose_variant(metric, run, metric.variants.index(variant) + 1)
+            if (
+                not isinstance(nxt, str)
+                and (nxt.table, nxt.level) == ROLLOUT_LEVEL
+                and set(nxt.resolve_partials(ctx)) <= set(partials)
+            ):
+                fallback[metric_id] = nxt
+        prelude = _merged_partials(variants, ctx, prelude=True)
+        return cls(partials, prelude, direct, fallback)
+
+    @property
+    def series(self) -> dict[str, Variant]:
+        return {**self.direct, **self.fallback}
+
+    def frames(self, run: Run, ctx: MetricContext) -> dict[str, pl.DataFrame]:
+        """Every series' per-step frame, over ranges of whole steps of at most ROLLOUT_CHUNK
+        rollouts: a range's rows are computed, every per-rollout series (all are per step) is
+        run on them, and they are dropped, so the memory is one range's whatever the number
+        of responses."""
+        counts = _collect(
+            [run.scan("rollouts").filter(valid_rollout()).group_by("step").len().sort("step")],
+            "reading rollouts",
+            run,
+            ["rollouts"],
+        )[0]
+        parts: dict[str, list[pl.DataFrame]] = {i: [] for i in self.series}
+        for lo, hi in _step_ranges(
+            counts["step"].to_list(), counts["len"].to_list(), ROLLOUT_CHUNK
+        ):
+            rows = self._rows(run, (lo, hi), self.partials)
+            done = _collect(
+                [v.series(rows.lazy(), ctx) for v in self.series.values()], "computing metrics"
+            )
+            for metric_id, frame in zip(self.series, done, strict=True):
+                parts[metric_id].append(frame)
+        empty = pl.DataFrame(schema={"step": pl.Int64, "value": pl.Float64})
+        return {i: pl.concat(p, how="diagonal_relaxed") if p else empty for i, p in parts.items()}
+
+    def recent(self, run: Run, train_steps: pl.DataFrame) -> pl.DataFrame | None:
+        """The rows of the final window's train steps that findings name example rollouts
+        from (the latest RECENT_ROLLOUTS at most), without the MinHash signature; `train_steps`
+        holds the train rollouts per step (`step`, `len`)."""
+        steps = train_steps.sort("step")
+        if steps.height == 0:
+            return None
+        window = steps.tail(window_size(steps.height))
+        latest = window.filter(pl.col("len").reverse().cum_sum().reverse() <= RECENT_ROLLOUTS)
+        first = int((latest if latest.height else window.tail(1))["step"][0])
+        partials = {n: e for n, e in self.partials.items() if not n.startswith("minhash_")}
+        rows = self._rows(run, (first, int(steps["step"][-1])), partials)
+        return rows.filter(pl.col("split") == "train")
+
+    def _rows(self, run: Run, steps: tuple[int, int], partials: dict[str, pl.Expr]) -> pl.DataFrame:
+        query = aggregate_query(
+            run, "rollouts", "rollout", partials, prelude=self.prelude, steps=steps
+        )
+        return _collect([query], "reading rollouts", run, ["rollouts"], TEXT_MORSEL_ROWS)[0]
+
+
+@dataclass(frozen=True)
+class _TableReader:
+    """What `compute` reads of the steps or rollouts table, per file (rlscope.steplocal):
+    frame "level" (the table's aggregates) and "series:<id>" (per-rollout series)."""
+
+    names: list[str]
+    frames_of: Callable[[Run], dict[str, pl.DataFrame]]
+    fingerprint: str
+    counted: list[str]
+
+
+def _table_reader(
+    run: Run,
+    table: str,
+    variants: list[Variant] | None,
+    rollout_level: RolloutLevel | None,
+    ctx: MetricContext,
+) -> _TableReader:
+    partials = _merged_partials(variants or [], ctx)
+    prelude = _merged_partials(variants or [], ctx, prelude=True)
+    # NaN/inf counts ride along the steps scan (rollouts: the reader counts them over all rows,
+    # before rows are left out).
+    counted = _float_columns_used(run, table, partials) if table == "steps" else []
+    series = rollout_level.series if table == "rollouts" and rollout_level else {}
+    names = (["level"] if variants else []) + [f"series:{i}" for i in series]
+
+    def frames_of(part: Run) -> dict[str, pl.DataFrame]:
+        out = {}
+        if variants:
+            query = aggregate_query(
+                part, table, "", partials, counted if table == "steps" else None, prelude
+            )
+            out["level"] = _collect([query], f"reading {table}", part, [table])[0]
+        if series and rollout_level is not None:
+            for metric_id, frame in rollout_level.frames(part, ctx).items():
+                out[f"series:{metric_id}"] = frame
+        return out
+
+    described: list[Any] = [names, partials, prelude, counted]
+    if rollout_level is not None and series:
+        described += [rollout_level.partials, rollout_level.prelude, ctx.text]
+        described += [(i, v.series) for i, v in series.items()]
+    return _TableReader(names, frames_of, steplocal_fingerprint(run, table, described), counted)
+
+
+def _train_steps(run: Run, groups: pl.DataFrame | None) -> pl.DataFrame:
+    """Train rollouts per step (`step`, `len`): from the group sizes when computed, else read."""
+    if groups is not None and "n" in groups.columns:
+        return (
+            groups.filter(pl.col("split") == "train")
+            .group_by("step")
+            .agg(pl.col("n").sum().alias("len"))
+        )
+    query = (
+        run.scan("rollouts")
+        .filter(valid_rollout() & (pl.col("split") == "train"))
+        .group_by("step")
+        .len()
+    )
+    return _collect([query], "reading rollouts", run, ["rollouts"])[0]
+
+
+def _step_ranges(steps: list[int], counts: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive (first, last) step ranges of sorted `steps` holding at most `limit` rows
+    each (a step with more is a range of its own)."""
+    ranges: list[tuple[int, int]] = []
+    rows = 0
+    for step, n in zip(steps, counts, strict=True):
+        if ranges and rows + n <= limit:
+            ranges[-1] = (ranges[-1][0], step)
+            rows += n
+        else:
+            ranges.append((step, step))
+            rows = n
+    return ranges
 
 
 def _from_aggregates(

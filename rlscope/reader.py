@@ -38,6 +38,8 @@ _JSON_CHECKS: dict[str, type | tuple[type, ...]] = {
 
 #: `Run.scan(table, invalid_flags=True)` adds, per float column `c`, a boolean
 #: `__invalid__c`: the file held a non-null value that is not finite (NaN/±inf, read as null).
+#: A row's file's index among its table's files (`Run.scan(..., file_index=True)`).
+FILE_INDEX = "__file_index__"
 INVALID_PREFIX = "__invalid__"
 #: A response longer than this (or negative) is a logging bug, not a length.
 MAX_RESPONSE_LEN = 10_000_000
@@ -146,11 +148,14 @@ class Run:
             )
         return out
 
-    def scan(self, table: str, *, invalid_flags: bool = False) -> pl.LazyFrame:
+    def scan(
+        self, table: str, *, invalid_flags: bool = False, file_index: bool = False
+    ) -> pl.LazyFrame:
         """The table as one LazyFrame with format-v1 types, derived columns and the step range.
 
         With `invalid_flags`, also a boolean `__invalid__<c>` per float column `c` (NaN/±inf in
-        the file); projection pushdown drops the ones a query does not use."""
+        the file); projection pushdown drops the ones a query does not use. With `file_index`,
+        a FILE_INDEX column: the row's file's index in the table's files."""
         if table == "rollouts" and self.steps_only:
             # No rollout to read: an empty table (e.g. for a rule naming a step's rollouts).
             spec = TABLES[table]
@@ -158,9 +163,22 @@ class Run:
         self.require(table)
         files = self.tables[table]
         frames = []
+        index = {str(path): i for i, path in enumerate(files.files)}
         for (signature, hive), paths in _group_by_signature(files).items():
-            lf = pl.scan_parquet(list(paths), hive_partitioning=False, glob=False)
+            named = FILE_INDEX if file_index else None
+            lf = pl.scan_parquet(
+                [str(p) for p in paths],
+                hive_partitioning=False,
+                glob=False,
+                include_file_paths=named,
+            )
             exprs = conform(files.schema, dict(signature), dict(hive), invalid_flags=invalid_flags)
+            if file_index:
+                exprs.append(
+                    pl.col(FILE_INDEX)
+                    .replace_strict(index, return_dtype=pl.Int64)
+                    .alias(FILE_INDEX)
+                )
             frames.append(lf.select(exprs))
         lf = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
         lo, hi = self.step_range
@@ -174,6 +192,20 @@ class Run:
             for column, (_, expr) in self._derivable(table).items()
         ]
         return lf.with_columns(fills) if fills else lf
+
+    def only(self, table: str, indices: Iterable[int]) -> Run:
+        """The run with `table` cut to the files at `indices` (same types, derived columns and
+        run.json), and no step range: for reading some of its files alone."""
+        files = self.tables[table]
+        keep = list(indices)
+        subset = replace(
+            files,
+            files=tuple(files.files[i] for i in keep),
+            file_schemas=tuple(files.file_schemas[i] for i in keep),
+            file_hive=tuple(files.file_hive[i] for i in keep) if files.file_hive else (),
+            file_stats=tuple(files.file_stats[i] for i in keep) if files.file_stats else (),
+        )
+        return replace(self, tables={**self.tables, table: subset}, step_range=(None, None))
 
     @property
     def steps_only(self) -> bool:

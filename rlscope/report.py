@@ -89,6 +89,8 @@ class RunInfo:
     # Token files in the run, and how many were read now (the rest: cached partials).
     token_files: int = 0
     token_files_read: int = 0
+    # Steps and rollouts: (files, files read now); the rest came from the per-file cache.
+    table_files: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def provenance(self) -> dict[str, str]:
@@ -156,6 +158,10 @@ class Report:
                 "groups": run.n_groups,
                 "tokens": run.n_tokens,
                 "token_files": {"total": run.token_files, "read": run.token_files_read},
+                "table_files": {
+                    table: {"total": total, "read": read}
+                    for table, (total, read) in run.table_files.items()
+                },
                 "tables": list(run.tables),
                 "meta": json_safe(run.meta),
                 "provenance": run.provenance,

@@ -35,7 +35,9 @@ def decline_shape(steps: Sequence[int], values: Sequence[float]) -> dict[str, An
     smooth = np.array([np.median(y[max(0, i - 1) : i + 2]) for i in range(n)])
     width = max(1, math.ceil(CLIFF_WINDOW * n))
     drops = smooth[:-width] - smooth[width:]
-    i = int(np.argmax(drops))
+    # Equal drops up to float summation order are a tie, won by the first (the same steps on
+    # every analysis of the same data).
+    i = int(np.argmax(np.round(drops / scale, 9)))
     share = float(drops[i] / (start - end))
     return {
         "shape": "cliff" if share >= CLIFF_SHARE else "smooth",

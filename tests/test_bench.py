@@ -28,6 +28,8 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
             str(out),
             "--cache",
             str(tmp_path / "runs"),
+            "--layout-tokens",
+            "1000000",
         ],
         check=True,
         capture_output=True,
@@ -38,6 +40,12 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
     row = next(line for line in text.splitlines() if line.startswith("| 2,"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert len(cells) == 13 and all(cells)
+    # The four file layouts of one run, with peak RSS and the ratio to the bare scan.
+    section = text.split("## File layouts")[1].split("\n## ")[0]
+    laid = [line for line in section.splitlines() if line.startswith("| ")]
+    assert len(laid) == 1 + 4  # the header, then a row per layout
+    assert all(len(line.strip("|").split("|")) == 9 for line in laid)
     assert int(cells[1]) >= 2  # token files
     # The incremental table: after appending one file, exactly one file was read.
-    assert text.rstrip().splitlines()[-1].rstrip("|").split("|")[-1].strip() == "1"
+    incremental = text.split("## Incremental re-analysis")[1].split("\n## ")[0]
+    assert incremental.rstrip().splitlines()[-1].rstrip("|").split("|")[-1].strip() == "1"

@@ -335,3 +335,15 @@ def test_token_metrics_when_entropy_only_in_later_files(
         results["behavior.entropy"],
         per_step(late, lambda m: token_mean(np.where(ok, entropy, 0), ok, m)),
     )
+
+
+def test_a_logged_share_outside_0_1_is_left_out(write_run: Any) -> None:
+    """A corrupt logged clip fraction (-7.9, found by the fuzz test) is no share: left out,
+    the other steps' values kept."""
+    steps = [
+        {"step": s, "loss": 0.1, "clip_frac": v}
+        for s, v in enumerate([-7.894893278397399, 0.05, 1.5, 0.04])
+    ]
+    run = write_run({"steps": steps})
+    result = compute(open_run(run), ["stability.clip_frac"]).results["stability.clip_frac"]
+    assert result.values == (None, 0.05, None, 0.04)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -380,3 +381,48 @@ def test_default_settings_are_the_documented_ones() -> None:
     settings = TextSettings()
     assert settings.tags.tool_call == ("tool_call", "search")
     assert settings.tags.tool_response == ("tool_response", "information")
+
+
+@pytest.mark.parametrize("scenario", ["diversity-collapse", "self-consistency-headroom"])
+def test_per_rollout_level_in_step_ranges_gives_the_one_pass_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scenario: str
+) -> None:
+    """The per-rollout level computed a few steps at a time (ROLLOUT_CHUNK forced to under two
+    steps of rollouts, so every step is a range of its own, and to three steps' worth): every
+    metric and finding, with its example rollouts, is the one-range answer; the rows kept for
+    examples are the final window's train rollouts only, without the MinHash signature."""
+    from rlscope import engine
+    from rlscope.analysis import analyze
+    from rlscope.synth import generate
+
+    run = tmp_path / "run"
+    generate(run, scenario, steps=20, prompts_per_step=4, group_size=6, tokens=False, seed=3)
+    whole = analyze(run, use_cache=False).to_dict()
+    computed = compute(open_run(run))
+    recent = computed.aggregates[engine.ROLLOUT_LEVEL]
+    assert set(recent["split"].to_list()) == {"train"}
+    steps = sorted(set(open_run(run).scan("rollouts").collect()["step"].to_list()))
+    assert len(steps) == 20
+    assert sorted(set(recent["step"].to_list())) == steps[-3:]  # the final window of 20 steps
+    assert not [c for c in recent.columns if c.startswith("minhash_")]
+    for chunk in (4 * 6 + 5, 3 * 4 * 6):
+        monkeypatch.setattr(engine, "ROLLOUT_CHUNK", chunk)
+        ranged = analyze(run, use_cache=False).to_dict()
+        assert_json_close(ranged["metrics"], whole["metrics"])
+        assert_json_close(ranged["findings"], whole["findings"])
+
+
+def assert_json_close(a: Any, b: Any, where: str = "") -> None:
+    """Equal JSON, floats up to summation order (1e-9 relative)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_json_close(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_json_close(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (where, a, b)
+    else:
+        assert a == b, where

@@ -4,6 +4,7 @@ new or changed files, and the map/merge split runs on another executor (no clust
 from __future__ import annotations
 
 import itertools
+import json
 import multiprocessing
 import os
 from collections.abc import Callable
@@ -13,11 +14,12 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
 from rlscope import tokenscan
 from rlscope.analysis import analyze
-from rlscope.cache import PartialCache
+from rlscope.cache import PartialCache, Parts
 from rlscope.engine import compute, token_plan
 from rlscope.reader import open_run
 from rlscope.tokenscan import (
@@ -477,3 +479,138 @@ def test_partials_keyed_by_string_categorical_or_enum_segments_merge(write_run: 
     a, b = merge(parts, plan), merge(typed, plan)
     for level in plan.levels:
         assert_frames_close(a[level], b[level])
+
+
+def test_a_large_file_is_read_in_pieces_and_byte_capped_batches(
+    write_run: WriteRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of many row groups over PIECE_FILE_BYTES is split into pieces of whole row groups
+    (each reduced on its own, as a file would be), read in batches capped by decoded bytes:
+    the partials are the one-piece scan's, and the cache holds it as one file."""
+    tokens = make_tokens(12, range(1, 9))
+    one = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
+    (path,) = (one / "tokens").glob("*.parquet")
+    pq.write_table(pl.DataFrame(tokens).to_arrow(), path, row_group_size=100)  # many groups
+    plan = plan_for(one)
+    whole, _ = scan_tokens(open_run(one), plan)
+    (file,) = token_files(open_run(one), plan)
+    groups = pq.read_metadata(path).num_row_groups
+    assert groups > 10
+
+    monkeypatch.setattr(limits, "PIECE_FILE_BYTES", 1)
+    monkeypatch.setattr(limits, "PIECE_ROWS", 400)
+    monkeypatch.setattr(limits, "BATCH_BYTES", 60 * 41)  # ~60 rows of the 9 columns read
+    split_up = tokenscan.pieces([file])
+    assert len(split_up) > 1
+    assert [g for piece in split_up for g in piece.row_groups or ()] == list(range(groups))
+    sizes = [batch.height for batch in reduce._batches(split_up[0])]
+    assert max(sizes) <= 60 and 400 <= sum(sizes) <= 400 + 100
+    read: list[tuple[int, ...] | None] = []
+    original = mapmerge.chunk_partials
+    monkeypatch.setattr(
+        mapmerge,
+        "chunk_partials",
+        lambda files, plan: (read.extend(f.row_groups for f in files), original(files, plan))[1],
+    )
+    cache = PartialCache(tmp_path / "cache")
+    pieced, stats = scan_tokens(open_run(one), plan, cache=cache)
+    assert len(read) == len(split_up) and stats.files_read == 1
+    again, stats = scan_tokens(open_run(one), plan, cache=PartialCache(tmp_path / "cache"))
+    assert stats.files_read == 0
+    boundaries = tokens["step"].size // 50  # batches of at least ~50 rows
+    for partials in (pieced, again):
+        for level in plan.levels:
+            if level != "segments":
+                assert_frames_close(partials[level], whole[level])
+        # A rollout cut by a batch boundary counts once per batch (the stated bound).
+        segments, exact = partials["segments"], whole["segments"]
+        assert_frames_close(segments.drop("seg_rollouts"), exact.drop("seg_rollouts"))
+        over = segments["seg_rollouts"] - exact["seg_rollouts"]
+        assert (over >= 0).all() and int(over.sum()) <= boundaries * len(SEGMENTS)
+
+
+def test_folding_partials_as_files_come_changes_nothing(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files' partials summed every FOLD_FILES files (so thousands of files' frames are never
+    all held) give the partials of one pass."""
+    tokens = make_tokens(13, range(1, 13))
+    rollouts = rollouts_of(tokens)
+    one = write_run({"rollouts": rollouts, "tokens": tokens})
+    many = write_run(
+        {"rollouts": rollouts, "tokens": split(tokens, at_rollout_boundaries(tokens, 9))}
+    )
+    monkeypatch.setattr(limits, "FOLD_FILES", 2)
+    monkeypatch.setattr(limits, "CHUNK_BYTES", 1)  # a chunk per file
+    plan = plan_for(one)
+    a, _ = scan_tokens(open_run(one), plan)
+    b, stats = scan_tokens(open_run(many), plan)
+    assert stats.files == 9
+    for level in plan.levels:
+        assert_frames_close(a[level], b[level])
+
+
+def _parts(cache: PartialCache) -> list[Path]:
+    (manifest,) = cache.root.rglob("MANIFEST")
+    return [manifest.parent / name for name in json.loads(manifest.read_text())]
+
+
+def test_the_cache_grows_by_parts_drops_gone_files_and_compacts(
+    write_run: WriteRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live run: each analysis after a file is appended writes a part holding that file only
+    (never the whole cache again); parts are written as the scan goes; a part whose
+    files are all gone leaves the manifest and the disk; past MAX_PARTS parts the live files
+    are compacted into one. Every answer is the full scan's."""
+    monkeypatch.setattr(Parts, "TAG_FILES", 2)
+    monkeypatch.setattr(Parts, "PART_ROWS", 1)  # a part per 2 files
+    monkeypatch.setattr(Parts, "MAX_PARTS", 3)
+    tokens = make_tokens(14, range(1, 13))
+    rollouts = rollouts_of(tokens)
+    pieces = split(tokens, at_rollout_boundaries(tokens, 8))
+    run = write_run({"rollouts": rollouts, "tokens": pieces[:3]})
+    files = sorted((run / "tokens").glob("*.parquet"))
+
+    def analysed() -> tuple[PartialCache, Any]:
+        cache = PartialCache(tmp_path / "cache")
+        result = compute(open_run(run), cache=cache)
+        assert_results_close(result.results, compute(open_run(run)).results)
+        return cache, result
+
+    cache, _ = analysed()
+    parts = _parts(cache)
+    assert len(parts) == 2  # 3 files flushed 2 at a time
+    assert sorted(len(pl.read_ipc(p / "files.arrow")) for p in parts) == [1, 2]
+
+    pl.DataFrame(pieces[3]).write_parquet(run / "tokens" / "r000-999991.parquet")
+    cache, grown = analysed()
+    assert grown.tokens.files_read == 1
+    added = [p for p in _parts(cache) if p not in parts]
+    assert len(added) == 1 and len(pl.read_ipc(added[0] / "files.arrow")) == 1
+    assert set(parts) < set(_parts(cache))
+
+    # The two files of the first part are gone: it is dropped, from the manifest and the disk.
+    first_part = next(p for p in parts if len(pl.read_ipc(p / "files.arrow")) == 2)
+    keys = set(pl.read_ipc(first_part / "files.arrow")["key"].to_list())
+    for path in files:
+        file = next(f for f in token_files(open_run(run), plan_for(run)) if f.path == path)
+        if PartialCache.key(file) in keys:
+            path.unlink()
+    cache, shrunk = analysed()
+    assert shrunk.tokens.files_read == 0  # nothing new: the manifest is kept as it was
+    pl.DataFrame(pieces[4]).write_parquet(run / "tokens" / "r000-999992.parquet")
+    cache, _ = analysed()
+    assert first_part not in _parts(cache) and not first_part.exists()
+
+    # One more append makes 4 parts, past MAX_PARTS: one part with every live file.
+    assert len(_parts(cache)) == 3
+    pl.DataFrame(pieces[5]).write_parquet(run / "tokens" / "r000-999993.parquet")
+    cache, last = analysed()
+    (compacted,) = _parts(cache)
+    live = len(list((run / "tokens").glob("*.parquet")))
+    assert len(pl.read_ipc(compacted / "files.arrow")) == live
+    assert last.tokens.files == live
+    assert len(list(compacted.parent.glob("part-*"))) == 1
+    again = compute(open_run(run), cache=PartialCache(tmp_path / "cache"))
+    assert again.tokens.files_read == 0
+    assert_results_close(again.results, compute(open_run(run)).results)

@@ -67,13 +67,17 @@ def ratio_variant(
     )
 
 
-def step_column(column: str, *, source: str = "") -> Variant:
-    """A metric read straight from the steps table (mean over duplicate rows of one step)."""
+def step_column(column: str, *, source: str = "", share: bool = False) -> Variant:
+    """A metric read straight from the steps table (mean over duplicate rows of one step); a
+    `share` logged outside [0, 1] is corrupt and left out (null at that step)."""
 
     def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         return frame.select("step", pl.col(f"steps_{column}").alias("value"))
 
-    partials: Mapping[str, pl.Expr] = {f"steps_{column}": f64(column).mean()}
+    value = f64(column)
+    if share:
+        value = pl.when(value.is_between(0.0, 1.0)).then(value)
+    partials: Mapping[str, pl.Expr] = {f"steps_{column}": value.mean()}
     return Variant("steps", (column,), series, partials, source or f"steps.{column} as logged")
 
 

@@ -269,14 +269,16 @@ DECLARED.metric(
                 N,
             ),
             # The trainer's own share, as logged (without rollouts, or without a cap to test).
-            step_column("truncation_rate", source="steps.truncation_rate as logged"),
+            step_column("truncation_rate", source="steps.truncation_rate as logged", share=True),
             step_column(
                 "response_length/clip_ratio",
                 source="steps.response_length/clip_ratio as logged (verl)",
+                share=True,
             ),
             step_column(
                 "completions/clipped_ratio",
                 source="steps.completions/clipped_ratio as logged (TRL)",
+                share=True,
             ),
         ),
     )

@@ -173,7 +173,7 @@ DECLARED.metric(
                 clip_partials,
                 source="derived from the token ratio and advantage (TRL's rule)",
             ),
-            step_column("clip_frac"),
+            step_column("clip_frac", share=True),
         ),
     )
 )

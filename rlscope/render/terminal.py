@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlscope.render.sanitize import safe_text
-from rlscope.report import MetricResult, Report, RunInfo, run_provenance
+from rlscope.report import MetricResult, Report, run_provenance
 from rlscope.spec import LAYERS
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -53,12 +53,12 @@ def format_value(value: float | None) -> str:
     return f"{value:.4f}"
 
 
-def _token_files(run: RunInfo) -> str:
-    """How many token files were read, when some came from the partials cache."""
-    cached = run.token_files - run.token_files_read
+def _files_read(files: int, read: int) -> str:
+    """How many of a table's files were read, when some came from the cache."""
+    cached = files - read
     if not cached:
         return ""
-    return f" ({run.token_files_read:,} of {run.token_files:,} files read; {cached:,} cached)"
+    return f" ({read:,} of {files:,} files read; {cached:,} cached)"
 
 
 def _header(report: Report) -> Panel:
@@ -77,11 +77,12 @@ def _header(report: Report) -> Panel:
             "rollouts",
             f"{run.n_rollouts - run.n_eval_rollouts:,} train in {run.n_groups:,} groups"
             + (f", {run.n_eval_rollouts:,} eval" if run.n_eval_rollouts else "")
+            + _files_read(*run.table_files.get("rollouts", (0, 0)))
             if "rollouts" in run.tables
             else "none: the trainer logged step metrics only",
         ),
         *(
-            [("tokens", f"{run.n_tokens:,}" + _token_files(run))]
+            [("tokens", f"{run.n_tokens:,}" + _files_read(run.token_files, run.token_files_read))]
             if "rollouts" in run.tables or "tokens" in run.tables
             else []
         ),

@@ -28,6 +28,7 @@ from rlscope.tokenscan.mapmerge import (
     chunks,
     file_partials,
     merge,
+    pieces,
     scan_tokens,
     value_columns,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "file_partials",
     "is_additive",
     "merge",
+    "pieces",
     "scan_tokens",
     "token_files",
     "value_columns",

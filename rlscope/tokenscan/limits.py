@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
-#: Rows read and reduced at a time (whole row groups, or slices of a larger one).
-BATCH_ROWS = 1_200_000
+#: Rows read and reduced at a time (slices of row groups, or several small ones), and at most
+#: this many decoded bytes of the columns read: the working set is rows in flight, whatever
+#: the file's layout (a 64Mi-row row group is read 1.2M rows at a time, never whole).
+BATCH_ROWS = 400_000
+BATCH_BYTES = 24 * 2**20
+#: Parquet is read through a buffer of this size per column, without pre-buffering whole
+#: column chunks (pyarrow's default would hold a row group's compressed columns in memory).
+READ_BUFFER_BYTES = 8 * 2**20
+#: A file of at most this many bytes (decoded: a few times more) is read whole, at once.
+SMALL_FILE_BYTES = 2**20
+#: A file larger than this is split into pieces of whole row groups, about PIECE_ROWS rows
+#: each, reduced in parallel like files.
+PIECE_FILE_BYTES = 64 * 2**20
+PIECE_ROWS = 10_000_000
 #: A batch whose rows form at most this many runs of one step, of this many rows on average, is
 #: reduced run by run (a plain select per run); otherwise (unsorted or small batches) by a
 #: group-by on the step.
@@ -19,3 +31,6 @@ WORKERS = 3
 #: (polars 2.1: 4000 small queries take 14 s at once, 1 s in slices of 32), and a run of many
 #: small files makes thousands.
 COLLECT_SLICE = 32
+#: Files' partials are folded into one (summed) every this many files: thousands of small
+#: files' frames would otherwise be kept to the end (20k files: 0.8 GiB of frames).
+FOLD_FILES = 256

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from rlscope.reader import INVALID_PREFIX, Run
 from rlscope.tokenscan import limits
@@ -33,8 +37,33 @@ from rlscope.tokenscan.reduce import (
 )
 
 
+def pieces(files: list[TokenFile]) -> list[TokenFile]:
+    """The files, each larger than PIECE_FILE_BYTES split into pieces of whole row groups of
+    about PIECE_ROWS rows (so one large file is reduced by every worker, not one)."""
+    out: list[TokenFile] = []
+    for file in files:
+        if file.row_groups is not None or file.stat[0] <= limits.PIECE_FILE_BYTES:
+            out.append(file)
+            continue
+        meta = pq.read_metadata(file.path)
+        groups: list[list[int]] = [[]]
+        rows = 0
+        for index in range(meta.num_row_groups):
+            if groups[-1] and rows >= limits.PIECE_ROWS:
+                groups.append([])
+                rows = 0
+            groups[-1].append(index)
+            rows += meta.row_group(index).num_rows
+        if len(groups) == 1:
+            out.append(file)
+        else:
+            out += [replace(file, row_groups=tuple(g)) for g in groups]
+    return out
+
+
 def chunks(files: list[TokenFile]) -> list[list[TokenFile]]:
-    """Consecutive files grouped up to CHUNK_BYTES each: the unit of work of the map stage."""
+    """Consecutive files (or pieces) grouped up to CHUNK_BYTES each: the unit of work of the
+    map stage."""
     out: list[list[TokenFile]] = []
     size = 0
     for file in files:
@@ -52,21 +81,30 @@ def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl
     too, so many small files cost about what one large one does. Pure: depends on the files'
     contents and the plan only."""
     parts: list[dict[str, list[pl.DataFrame]]] = [{lv: [] for lv in plan.levels} for _ in files]
-    pending: list[tuple[int, pl.DataFrame]] = []
+    pending: list[tuple[int, pl.DataFrame]] = []  # (file index, rows as read)
     pending_rows = 0
 
     def reduce_pending() -> None:
         nonlocal pending_rows
         if len(pending) == 1:
             index, frame = pending[0]
-            for level, result in _reduce_rows(frame, plan).items():
+            for level, result in _reduce_rows(_conformed(frame, files[index], plan), plan).items():
                 parts[index][level].append(result)
         else:
-            rows = _tagged(pending)  # flag columns only where a file has NaN/inf
+            # Conformed once per kind of file (types, hive values), not file by file.
+            kinds: dict[tuple, list[tuple[int, pl.DataFrame]]] = {}
+            for index, frame in pending:
+                kinds.setdefault(_kind(files[index]), []).append((index, frame))
+            conformed = [
+                _conformed(_tagged(same), files[same[0][0]], plan, keep=(FILE,))
+                for same in kinds.values()
+            ]
+            rows = pl.concat(conformed, how="diagonal_relaxed")  # flags only where NaN/inf
             levels = _collect([_grouped_levels(rows, plan, [FILE, "step"])])
             for level, result in levels.items():
-                for (index,), piece in result.partition_by(FILE, as_dict=True).items():
-                    parts[int(index)][level].append(piece.drop(FILE))
+                pieces = result.partition_by(FILE, as_dict=True, include_key=False)
+                for (index,), piece in pieces.items():
+                    parts[int(index)][level].append(piece)
         pending.clear()
         pending_rows = 0
 
@@ -77,7 +115,7 @@ def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl
             alone = batch.height >= limits.MIN_STEP_RUN_ROWS
             if alone and pending:
                 reduce_pending()
-            pending.append((index, _conformed(batch, file, plan)))
+            pending.append((index, batch))
             pending_rows += batch.height
             if alone or pending_rows >= limits.BATCH_ROWS:
                 reduce_pending()
@@ -151,6 +189,11 @@ def _summed(
     return summed
 
 
+def _kind(file: TokenFile) -> tuple:
+    """What conforming a file's rows depends on: its types, the unified ones, hive values."""
+    return tuple(file.schema.items()), tuple(file.target.items()), tuple(file.hive.items())
+
+
 def _tagged(frames: list[tuple[int, pl.DataFrame]]) -> pl.DataFrame:
     """(index, frame) pairs as one frame (a column missing from a frame is null there), each
     row tagged in FILE with its frame's index."""
@@ -173,7 +216,9 @@ def _widen(name: str, dtype: pl.DataType) -> pl.Expr:
 
 class PartialStore(Protocol):
     """Where file partials are kept between analyses (rlscope.cache.PartialCache): `load` says
-    which files it holds and leaves their merged partials in `loaded`; `store` adds new ones."""
+    which files it holds and leaves their merged partials in `loaded`; `add` takes a file's
+    partials as soon as it is read (written out in parts as they come, not held); `commit`
+    makes what was added the cache's content."""
 
     loaded: dict[str, pl.DataFrame]
 
@@ -181,13 +226,9 @@ class PartialStore(Protocol):
         self, run: Run, files: list[TokenFile], plan: TokenPlan, fingerprint: str
     ) -> list[bool]: ...
 
-    def store(
-        self,
-        run: Run,
-        fingerprint: str,
-        new: list[tuple[TokenFile, Mapping[str, pl.DataFrame]]],
-        plan: TokenPlan,
-    ) -> None: ...
+    def add(self, file: TokenFile, partials: Mapping[str, pl.DataFrame]) -> None: ...
+
+    def commit(self) -> None: ...
 
 
 #: Any `map`: the builtin, `Executor.map`, or a distributed engine's map over the chunks of
@@ -211,28 +252,40 @@ def scan_tokens(
     cached = (
         cache.load(run, files, plan, fingerprint) if cache is not None else [False] * len(files)
     )
-    todo = chunks([f for f, hit in zip(files, cached, strict=True) if not hit])
+    split = pieces([f for f, hit in zip(files, cached, strict=True) if not hit])
+    todo = chunks(split)
+    # The partials read so far, folded into one every FOLD_FILES files: what is kept grows
+    # with the steps, never with the number of files.
     results: list[Mapping[str, pl.DataFrame]] = [cache.loaded] if cache and cache.loaded else []
-    new: list[tuple[TokenFile, Mapping[str, pl.DataFrame]]] = []
+    # A large file's pieces until its last one is in (a file's partials: the sum of its pieces').
+    read: dict[Path, list[Mapping[str, pl.DataFrame]]] = {}
+    left = Counter(piece.path for piece in split)
     done, rows_read = sum(cached), 0
     if progress is not None:
         progress(done, len(files))
     reduce_chunk = partial(chunk_partials, plan=plan)
     with ThreadPoolExecutor(max_workers=limits.WORKERS) as pool:
         for chunk, partials in zip(todo, (mapper or pool.map)(reduce_chunk, todo), strict=True):
-            for file, one in zip(chunk, partials, strict=True):
+            for piece, one in zip(chunk, partials, strict=True):
                 rows_read += int(one[""][ROWS].sum())
                 results.append(one)
+                left[piece.path] -= 1
                 if cache is not None:
-                    new.append((file, one))
-            done += len(chunk)
+                    read.setdefault(piece.path, []).append(one)
+                    if not left[piece.path]:
+                        parts = read.pop(piece.path)
+                        whole = parts[0] if len(parts) == 1 else merge(parts, plan)
+                        cache.add(replace(piece, row_groups=None), whole)
+                done += not left[piece.path]
+            if len(results) > limits.FOLD_FILES:
+                results = [merge(results, plan)]
             if progress is not None:
                 progress(done, len(files))
     # Arrow's allocator keeps the freed decode buffers for reuse; hand them back, so that what
     # `analyze` reads next (with Polars' allocator) does not stack on top of them.
     pa.default_memory_pool().release_unused()
     if cache is not None:
-        cache.store(run, fingerprint, new, plan)
+        cache.commit()
     merged = merge(results, plan)
     lo, hi = run.step_range
     for level, frame in merged.items():

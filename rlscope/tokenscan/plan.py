@@ -138,6 +138,9 @@ class TokenFile:
     target: Mapping[str, pl.DataType]  # the unified types (of the columns read)
     hive: Mapping[str, str]
     stat: tuple[int, int, int]  # (size, mtime_ns, inode) at open
+    #: A piece of a large file: these row groups only (None: the whole file). The map stage
+    #: reduces pieces; a file's partials are the sum of its pieces'.
+    row_groups: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

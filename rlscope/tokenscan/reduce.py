@@ -22,17 +22,60 @@ from rlscope.tokenscan.plan import (
 
 
 def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
-    """The file's columns that the plan reads, BATCH_ROWS rows at a time."""
+    """The file's (or piece's) columns that the plan reads, in even batches of at most
+    BATCH_ROWS rows and BATCH_BYTES decoded bytes, streamed through a small read buffer: the
+    memory is that of the batch, not of the file or its row groups."""
     present = [c for c in file.target if c in file.schema]
-    parquet = pq.ParquetFile(file.path)
+    if file.row_groups is None and file.stat[0] <= limits.SMALL_FILE_BYTES:
+        # Read whole by Polars: half pyarrow's per-file cost, and a live run has thousands.
+        frame = pl.read_parquet(file.path, columns=present)
+        size = _even(frame.height, limits.BATCH_ROWS)
+        for offset in range(0, frame.height, size or 1):
+            yield frame.slice(offset, size)
+        return
+    parquet = pq.ParquetFile(file.path, buffer_size=limits.READ_BUFFER_BYTES, pre_buffer=False)
     with parquet:
-        rows = parquet.metadata.num_rows
+        meta = parquet.metadata
+        groups = list(range(meta.num_row_groups) if file.row_groups is None else file.row_groups)
+        rows = sum(meta.row_group(g).num_rows for g in groups)
         if rows == 0:
             return
-        # Even batches: 1.25M rows as two of 625k, not 1.2M and a 50k tail of its own.
-        size = -(-rows // -(-rows // limits.BATCH_ROWS))
-        for batch in parquet.iter_batches(batch_size=size, columns=present):
+        row_bytes = _decoded_row_bytes(parquet, present, groups, rows)
+        cap = max(1, min(limits.BATCH_ROWS, limits.BATCH_BYTES // max(1, row_bytes)))
+        size = _even(rows, cap)
+        for batch in parquet.iter_batches(batch_size=size, columns=present, row_groups=groups):
             yield pl.from_arrow(pa.Table.from_batches([batch]))  # type: ignore[misc]
+
+
+def _even(rows: int, cap: int) -> int:
+    """Rows per batch of even batches of at most `cap`: 1.25M rows as two of 625k, not 1.2M
+    and a 50k tail of its own."""
+    return -(-rows // -(-rows // cap)) if rows else 0
+
+
+def _decoded_row_bytes(
+    parquet: pq.ParquetFile, columns: list[str], groups: list[int], rows: int
+) -> int:
+    """Bytes per row of `columns` once decoded: the width of fixed-width types, else the
+    column's uncompressed Parquet bytes per row (strings, lists), from the file's metadata."""
+    schema, meta = parquet.schema_arrow, parquet.metadata
+    leaves = meta.schema.names  # top-level flat columns are leaves of the same name
+    total = 0
+    for name in columns:
+        dtype = schema.field(name).type
+        if pa.types.is_dictionary(dtype):
+            dtype = dtype.index_type
+        try:
+            total += max(1, dtype.bit_width // 8)
+            continue
+        except ValueError:  # variable width
+            pass
+        size = 0
+        if name in leaves and groups:
+            index = leaves.index(name)
+            size = sum(meta.row_group(g).column(index).total_uncompressed_size for g in groups)
+        total += 8 + size // rows  # offsets, then the data
+    return total
 
 
 def _step_runs(frame: pl.DataFrame) -> list[tuple[int, int]] | None:
@@ -248,10 +291,13 @@ def _reduce_rows(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.DataFrame
     return _collect([_step_levels(frame.slice(offset, n), plan) for offset, n in runs])
 
 
-def _conformed(frame: pl.DataFrame, file: TokenFile, plan: TokenPlan) -> pl.DataFrame:
-    """A batch with the unified types and NaN/inf as null, flagged per counted column. Float
-    columns found all finite (the usual case; one cheap reduction tells) skip the per-row
-    rewrite and carry no flag column; a categorical segment stays categorical (grouped as is)."""
+def _conformed(
+    frame: pl.DataFrame, file: TokenFile, plan: TokenPlan, keep: tuple[str, ...] = ()
+) -> pl.DataFrame:
+    """A batch with the unified types and NaN/inf as null, flagged per counted column, and the
+    columns `keep` as they are. Float columns found all finite (the usual case; one cheap
+    reduction tells) skip the per-row rewrite and carry no flag column; a categorical segment
+    stays categorical (grouped as is)."""
     floats = [c for c, t in file.schema.items() if c in file.target and t.is_float()]
     # A finite sum means no NaN or inf (either makes the sum NaN or inf); a non-finite one
     # (or an overflow) is checked row by row.
@@ -266,9 +312,9 @@ def _conformed(frame: pl.DataFrame, file: TokenFile, plan: TokenPlan) -> pl.Data
         if target.get(column) == pl.String and isinstance(dtype, pl.Categorical | pl.Enum):
             target[column] = dtype
     if len(finite) == len(floats) and all(file.schema.get(c) == t for c, t in target.items()):
-        return frame.select(*file.target)  # nothing to cast, fill or flag
+        return frame.select(*file.target, *keep)  # nothing to cast, fill or flag
     exprs = conform(
         target, dict(file.schema), dict(file.hive), invalid_flags=True, all_finite=finite
     )
     flags = [INVALID_PREFIX + c for c in plan.count_invalid if c not in finite]
-    return frame.lazy().select(exprs).select(*file.target, *flags).collect()
+    return frame.lazy().select(*exprs, *keep).select(*file.target, *flags, *keep).collect()
