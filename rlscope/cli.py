@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -859,8 +860,11 @@ def check(
         spec = load_gates(gates)
         options = import_options(from_format, option)
 
+        took = [0.0]
+
         def once() -> CheckResult:
-            return run_check(
+            start = time.perf_counter()
+            result = run_check(
                 run,
                 baseline=baseline,
                 gates=spec,
@@ -869,6 +873,8 @@ def check(
                 from_format=from_format,
                 import_options=options,
             )
+            took[0] = time.perf_counter() - start
+            return result
 
         if watch is None:
             with _progress(f"checking {run}"):
@@ -878,7 +884,14 @@ def check(
 
             def progress_line(result: CheckResult) -> None:
                 state = "breach" if result.failed else "ok"
-                _say(err, f"checked {run}: last step seen {result.last_step}: {state}")
+                info = result.report.run
+                files = {"tokens": (info.token_files, info.token_files_read), **info.table_files}
+                read = ", ".join(f"{t} {r:,} of {n:,}" for t, (n, r) in files.items() if n)
+                _say(
+                    err,
+                    f"checked {run} in {took[0]:.1f} s (files read: {read or 'none'}): "
+                    f"last step seen {result.last_step}: {state}",
+                )
 
             try:
                 result = run_watch(once, run, interval=watch, on_result=progress_line)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,26 @@ def test_watch_stops_after_max_polls_without_new_files(tmp_path: Path) -> None:
         max_polls=3,
     )
     assert not final.failed and len(results) == 1
+
+
+def test_cli_watch_says_what_each_check_read_and_took(tmp_path: Path) -> None:
+    """`check --watch` on a run that breaches at once: one progress line on stderr with the
+    seconds and the files read per table (all of them, the cache being empty), exit 1."""
+    gates = gates_file(tmp_path, GATES)
+    watched = rlscope(
+        "check",
+        str(COLLAPSE),
+        "--gates",
+        str(gates),
+        "--watch",
+        "0.1",
+        env={"RLSCOPE_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert watched.returncode == 1
+    line = next(x for x in watched.stderr.splitlines() if x.startswith("checked "))
+    rollouts = len(list((COLLAPSE / "rollouts").glob("*.parquet")))
+    assert re.search(r" in \d+\.\d s \(files read: .*rollouts " + f"{rollouts} of {rollouts}", line)
+    assert line.endswith(": breach")
 
 
 # -- CLI exit codes ---------------------------------------------------------------------------
