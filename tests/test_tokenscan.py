@@ -229,9 +229,11 @@ def test_reanalysis_reads_only_the_appended_file(
     run = write_run({"rollouts": rollouts_of(tokens), "tokens": pieces[:3]})
     cache = tmp_path / "cache"
     read: list[str] = []
-    original = mapmerge._batches
+    original = mapmerge.chunk_partials
     monkeypatch.setattr(
-        mapmerge, "_batches", lambda file: (read.append(file.path.name), original(file))[1]
+        mapmerge,
+        "chunk_partials",
+        lambda files, plan: (read.extend(f.path.name for f in files), original(files, plan))[1],
     )
 
     first = compute(open_run(run), cache=PartialCache(cache))
@@ -614,3 +616,35 @@ def test_the_cache_grows_by_parts_drops_gone_files_and_compacts(
     again = compute(open_run(run), cache=PartialCache(tmp_path / "cache"))
     assert again.tokens.files_read == 0
     assert_results_close(again.results, compute(open_run(run)).results)
+
+
+def test_small_files_read_in_pools_give_each_file_its_own_partials(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live run's small files, read together by one scan per pool (POOL_BYTES forced to
+    about three files, so pools, single files and a file of another kind alternate): each
+    file's partials are those it has read alone, and they merge to the one-file scan."""
+    tokens = make_tokens(15, range(1, 21), rollouts_per_step=6)
+    rollouts = rollouts_of(tokens)
+    many = write_run(
+        {"rollouts": rollouts, "tokens": split(tokens, at_rollout_boundaries(tokens, 12))}
+    )
+    one = write_run({"rollouts": rollouts, "tokens": tokens})
+    paths = sorted((many / "tokens").glob("*.parquet"))
+    other = pl.read_parquet(paths[5]).with_columns(pl.col("entropy").cast(pl.Float64))
+    other.write_parquet(paths[5])  # a file of another kind
+    monkeypatch.setattr(limits, "POOL_BYTES", sum(p.stat().st_size for p in paths[:3]))
+    plan = plan_for(one)
+    files = token_files(open_run(many), plan)
+    reads = list(mapmerge._reads(files))
+    assert any(index is None for index, _ in reads)  # a pool
+    assert any(index is not None for index, _ in reads)  # a file read alone
+    per_file = tokenscan.chunk_partials(files, plan)
+    for file, partials in zip(files, per_file, strict=True):
+        alone = tokenscan.chunk_partials([file], plan)[0]
+        for level in plan.levels:
+            assert_frames_close(partials[level], alone[level])
+    whole, _ = scan_tokens(open_run(one), plan)
+    merged = merge(per_file, plan)
+    for level in plan.levels:
+        assert_frames_close(merged[level], whole[level])

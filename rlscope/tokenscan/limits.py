@@ -10,8 +10,10 @@ BATCH_BYTES = 24 * 2**20
 #: Parquet is read through a buffer of this size per column, without pre-buffering whole
 #: column chunks (pyarrow's default would hold a row group's compressed columns in memory).
 READ_BUFFER_BYTES = 8 * 2**20
-#: A file of at most this many bytes (decoded: a few times more) is read whole, at once.
+#: A file of at most this many bytes (decoded: a few times more) is read whole, at once, and
+#: consecutive ones together, up to POOL_BYTES of Parquet.
 SMALL_FILE_BYTES = 2**20
+POOL_BYTES = 4 * 2**20
 #: A file larger than this is split into pieces of whole row groups, about PIECE_ROWS rows
 #: each, reduced in parallel like files.
 PIECE_FILE_BYTES = 64 * 2**20

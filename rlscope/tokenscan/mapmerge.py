@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -81,22 +81,25 @@ def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl
     too, so many small files cost about what one large one does. Pure: depends on the files'
     contents and the plan only."""
     parts: list[dict[str, list[pl.DataFrame]]] = [{lv: [] for lv in plan.levels} for _ in files]
-    pending: list[tuple[int, pl.DataFrame]] = []  # (file index, rows as read)
+    # (file index, its rows as read) or (None, rows of several files tagged in FILE)
+    pending: list[tuple[int | None, pl.DataFrame]] = []
     pending_rows = 0
 
     def reduce_pending() -> None:
         nonlocal pending_rows
-        if len(pending) == 1:
-            index, frame = pending[0]
+        index, frame = pending[0]
+        if len(pending) == 1 and index is not None:
             for level, result in _reduce_rows(_conformed(frame, files[index], plan), plan).items():
                 parts[index][level].append(result)
         else:
             # Conformed once per kind of file (types, hive values), not file by file.
-            kinds: dict[tuple, list[tuple[int, pl.DataFrame]]] = {}
+            kinds: dict[tuple, list[pl.DataFrame]] = {}
             for index, frame in pending:
-                kinds.setdefault(_kind(files[index]), []).append((index, frame))
+                first = index if index is not None else int(frame[FILE][0])
+                tagged = _tagged([(index, frame)]) if index is not None else frame
+                kinds.setdefault(_kind(files[first]), []).append(tagged)
             conformed = [
-                _conformed(_tagged(same), files[same[0][0]], plan, keep=(FILE,))
+                _conformed(pl.concat(same), files[int(same[0][FILE][0])], plan, keep=(FILE,))
                 for same in kinds.values()
             ]
             rows = pl.concat(conformed, how="diagonal_relaxed")  # flags only where NaN/inf
@@ -108,20 +111,51 @@ def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl
         pending.clear()
         pending_rows = 0
 
-    for index, file in enumerate(files):
-        for batch in _batches(file):
-            # A batch large enough for the run-by-run path is reduced alone; small ones (of
-            # small files) are pooled up to BATCH_ROWS.
-            alone = batch.height >= limits.MIN_STEP_RUN_ROWS
-            if alone and pending:
-                reduce_pending()
-            pending.append((index, batch))
-            pending_rows += batch.height
-            if alone or pending_rows >= limits.BATCH_ROWS:
-                reduce_pending()
+    for index, batch in _reads(files):
+        # A batch large enough for the run-by-run path is reduced alone; small ones (of
+        # small files) are pooled up to BATCH_ROWS.
+        alone = index is not None and batch.height >= limits.MIN_STEP_RUN_ROWS
+        if alone and pending:
+            reduce_pending()
+        pending.append((index, batch))
+        pending_rows += batch.height
+        if alone or pending_rows >= limits.BATCH_ROWS:
+            reduce_pending()
     if pending:
         reduce_pending()
     return _summed(parts, plan)
+
+
+def _reads(files: list[TokenFile]) -> Iterator[tuple[int | None, pl.DataFrame]]:
+    """The chunk's rows: a file's batches, with its index; consecutive small files of one kind
+    read together, up to POOL_BYTES of Parquet, by one Polars scan (a live run's thousands of
+    small files cost about what their rows do), their rows tagged with their index in FILE."""
+    i = 0
+    while i < len(files):
+        j, size = i, 0
+        while (
+            j < len(files)
+            and _small(files[j])
+            and _kind(files[j]) == _kind(files[i])
+            and (j == i or size + files[j].stat[0] <= limits.POOL_BYTES)
+        ):
+            size += files[j].stat[0]
+            j += 1
+        if j - i <= 1:
+            yield from ((i, batch) for batch in _batches(files[i]))
+            i += 1
+            continue
+        pool = files[i:j]
+        paths = {str(f.path): i + k for k, f in enumerate(pool)}
+        present = [c for c in pool[0].target if c in pool[0].schema]
+        scan = pl.scan_parquet(list(paths), include_file_paths=FILE)
+        rows = scan.select(*present, pl.col(FILE).replace_strict(paths, return_dtype=pl.Int32))
+        yield None, rows.collect()
+        i = j
+
+
+def _small(file: TokenFile) -> bool:
+    return file.row_groups is None and file.stat[0] <= limits.SMALL_FILE_BYTES
 
 
 def file_partials(file: TokenFile, plan: TokenPlan) -> dict[str, pl.DataFrame]:
