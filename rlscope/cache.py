@@ -206,6 +206,8 @@ class Parts:
             return
         for old in {*self._manifest, *self._written} - set(parts):  # a reader may hold one
             shutil.rmtree(self.folder / old, ignore_errors=True)
+        for legacy in self.folder.glob("gen-*"):  # rlscope before parts: one pack per analysis
+            shutil.rmtree(legacy, ignore_errors=True)
 
     def _compacted(self, parts: list[str]) -> str:
         """The live files' frames of `parts` rewritten as one part (ids renumbered)."""
@@ -265,7 +267,6 @@ class PartialCache:
         self.root = self.base / "token-partials"
         self.loaded: dict[str, pl.DataFrame] = {}  # by `load`: every hit's partials, summed
         self._tokens: Parts | None = None
-        self._tables: dict[str, tuple[Parts, list[str]]] = {}  # table -> store, file keys
 
     @staticmethod
     def key(file: TokenFile) -> str:

@@ -18,7 +18,7 @@ from rlscope.report import Logged, MetricResult, Skipped
 from rlscope.spec import Metric, Variant, split_column
 from rlscope.steplocal import TableRead, TableStore, read_step_local
 from rlscope.steplocal import fingerprint as steplocal_fingerprint
-from rlscope.text import TextSettings
+from rlscope.text import MINHASH_PREFIX, TextSettings
 from rlscope.tokenscan import ROWS, Mapper, PartialStore, ScanStats, TokenPlan, scan_tokens
 from rlscope.trajectory import decline_shape
 from rlscope.windows import final_window, window_size
@@ -308,7 +308,7 @@ def compute(
         wanted = (table, "") in by_level or (table == "rollouts" and rollout_level is not None)
         if table not in run.tables or not wanted:
             continue
-        read = _table_reader(run, table, by_level.get((table, "")), rollout_level, context)
+        read = _reader_for(run, table, by_level.get((table, "")), rollout_level, context)
         if table == "steps":
             counted[table, ""] = read.counted
         frames, table_reads[table] = read_step_local(
@@ -497,7 +497,7 @@ class RolloutLevel:
         window = steps.tail(window_size(steps.height))
         latest = window.filter(pl.col("len").reverse().cum_sum().reverse() <= RECENT_ROLLOUTS)
         first = int((latest if latest.height else window.tail(1))["step"][0])
-        partials = {n: e for n, e in self.partials.items() if not n.startswith("minhash_")}
+        partials = {n: e for n, e in self.partials.items() if not n.startswith(MINHASH_PREFIX)}
         rows = self._rows(run, (first, int(steps["step"][-1])), partials)
         return rows.filter(pl.col("split") == "train")
 
@@ -519,13 +519,15 @@ class _TableReader:
     counted: list[str]
 
 
-def _table_reader(
+def _reader_for(
     run: Run,
     table: str,
     variants: list[Variant] | None,
     rollout_level: RolloutLevel | None,
     ctx: MetricContext,
 ) -> _TableReader:
+    """How the table's per-file results are computed and fingerprinted: its aggregates (with
+    the steps table's NaN/inf counts) and, for rollouts, the per-rollout series."""
     partials = _merged_partials(variants or [], ctx)
     prelude = _merged_partials(variants or [], ctx, prelude=True)
     # NaN/inf counts ride along the steps scan (rollouts: the reader counts them over all rows,

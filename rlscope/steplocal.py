@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import polars as pl
 
 from rlscope._version import __version__
-from rlscope.reader import FILE_INDEX, Run
+from rlscope.reader import FILE_INDEX, Run, scan_error
 from rlscope.tokenscan import FILE_ID
 
 #: The (file, step) pairs of a file, stored with its results: what says whether a step spans
@@ -85,17 +85,23 @@ def read_step_local(
     keys = store.file_keys(run, table)
     steps_store = store.table_frames(run, table, "steps", STEPS_REVISION, [STEPS_OF])
     known = steps_store.open(keys)
-    new = [i for i, hit in enumerate(known) if not hit]
-    file_steps = _collect_concat(steps_store.scans(STEPS_OF), FILE_STEPS)
+    try:
+        file_steps = _collect_concat(steps_store.scans(STEPS_OF), FILE_STEPS)
+    except CACHE_ERRORS:  # a part gone or damaged since `open`: read those files again
+        known, file_steps = [False] * n_files, pl.DataFrame(schema=FILE_STEPS)
     file_steps = file_steps.rename({FILE_ID: FILE_INDEX})
+    new = [i for i, hit in enumerate(known) if not hit]
     if new:
         local = run.only(table, new).scan(table, file_index=True)
-        steps_new = (
-            local.select(FILE_INDEX, "step")
-            .unique()
-            .with_columns(pl.col(FILE_INDEX).replace_strict(dict(enumerate(new))))
-            .collect()
-        )
+        try:
+            steps_new = (
+                local.select(FILE_INDEX, "step")
+                .unique()
+                .with_columns(pl.col(FILE_INDEX).replace_strict(dict(enumerate(new))))
+                .collect()
+            )
+        except CACHE_ERRORS as exc:
+            raise scan_error(run, [table], f"reading {table}", exc) from None
         for (index,), steps in steps_new.partition_by(FILE_INDEX, as_dict=True).items():
             steps_store.add(keys[int(index)], {STEPS_OF: steps.drop(FILE_INDEX)})
         for index in set(new) - set(steps_new[FILE_INDEX].to_list()):  # a file with no row
@@ -108,7 +114,10 @@ def read_step_local(
     hits = results.open(group_keys)
     cached = {}
     if any(hits):
-        cached = {name: _collect_concat(results.scans(name), None) for name in names}
+        try:
+            cached = {name: _collect_concat(results.scans(name), None) for name in names}
+        except CACHE_ERRORS:
+            hits = [False] * len(groups)
     missed = [i for i, hit in enumerate(hits) if not hit]
     read = sorted(i for g in missed for i in groups[g])
     computed = frames_of(run.only(table, read)) if read else {}
@@ -141,6 +150,8 @@ def read_step_local(
     return merged, TableRead(n_files, len(read))
 
 
+#: What reading a cache part that was damaged or removed meanwhile raises.
+CACHE_ERRORS = (OSError, pl.exceptions.PolarsError)
 #: Bumped when what is stored of a file's steps changes.
 STEPS_REVISION = "1"
 FILE_STEPS = {FILE_ID: pl.Int64, "step": pl.Int64}

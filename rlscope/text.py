@@ -212,13 +212,17 @@ def repetition(grams: pl.Expr) -> pl.Expr:
     return pl.when(grams.list.len() > 0).then(1.0 - grams.list.n_unique() / grams.list.len())
 
 
+#: The MinHash values' column names: `minhash_0` … `minhash_{K-1}`.
+MINHASH_PREFIX = "minhash_"
+
+
 def minhash(grams: pl.Expr, k: int = MINHASH_K) -> list[pl.Expr]:
     """K MinHash values (the top 32 bits of K seeded hashes' minima) of a shingle-hash list;
     P[two signatures agree at one position] = the Jaccard similarity of the shingle sets."""
     return [
         (grams.list.eval(pl.element().hash(seed)).list.min() // (1 << 32))
         .cast(pl.UInt32)
-        .alias(f"minhash_{seed}")
+        .alias(f"{MINHASH_PREFIX}{seed}")
         for seed in range(k)
     ]
 

@@ -190,3 +190,22 @@ def test_an_unwritable_cache_costs_speed_not_results(
         {k: v.values for k, v in result.results.items()},
         {k: v.values for k, v in compute(open_run(whole)).results.items()},
     )
+
+
+@pytest.mark.parametrize("damaged", ["files.arrow", "level.arrow", "steps_of.arrow"])
+def test_a_damaged_cache_is_read_again_never_trusted(
+    grown: tuple[Path, Path], tmp_path: Path, damaged: str
+) -> None:
+    """A cache part overwritten with garbage (its file list, a result): the files are read
+    again; a file's steps: they are read again (the results, keyed by the files, still hold).
+    Every answer is that of a full read."""
+    _, whole = grown
+    cache = tmp_path / "cache"
+    first = analyze(whole, cache_dir=cache)
+    hit = list((cache / "table-partials").rglob(damaged))
+    assert hit
+    for path in hit:
+        path.write_bytes(b"not arrow")
+    again = analyze(whole, cache_dir=cache)
+    assert (again.run.table_files["rollouts"][1] > 0) == (damaged != "steps_of.arrow")
+    assert_json_close(_json(again), _json(first))
