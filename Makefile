@@ -51,11 +51,14 @@ samples: $(STAMP)
 	$(BIN)/rlscope synth sample_logs/entropy-collapse --scenario entropy-collapse --steps 100 \
 		--prompts 16 --seed 2 --no-tokens
 
-# Generates 10M / 100M / 1B-token runs into .bench/ on first use (~15 GB, ~20 min), then times
-# analyze, a bare scan and DuckDB: expect ~40 min in all on 2 cores.
+# Generates 10M / 100M / 1B-token runs, a 200M-token run in four file layouts, text runs of
+# 100k-5M responses and two 200-step runs into .bench/ on first use (~30 GB, ~30 min), then
+# times analyze against a bare scan and DuckDB, the layouts, the text metrics, incremental
+# re-analysis and the report: expect ~1 h in all on 2 cores.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_analyze.py
 	$(BIN)/python benchmarks/bench_text.py
+	$(BIN)/python benchmarks/bench_report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

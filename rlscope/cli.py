@@ -226,16 +226,16 @@ def analyze(
     cache_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Where --from imports and token-file partials are kept (default: the user "
-            "cache dir).",
+            help="Where --from imports and files' partial results are kept (default: the "
+            "user cache dir).",
             metavar="DIR",
         ),
     ] = None,
     cache: Annotated[
         bool,
         typer.Option(
-            help="Reuse (and keep) each token file's partial aggregates, so re-analysing a "
-            "growing run reads only its new token files."
+            help="Reuse (and keep) each file's partial results, so re-analysing a growing run "
+            "reads only its new files."
         ),
     ] = True,
     quiet: Annotated[

@@ -33,6 +33,7 @@ WORKERS = 3
 #: (polars 2.1: 4000 small queries take 14 s at once, 1 s in slices of 32), and a run of many
 #: small files makes thousands.
 COLLECT_SLICE = 32
-#: Files' partials are folded into one (summed) every this many files: thousands of small
-#: files' frames would otherwise be kept to the end (20k files: 0.8 GiB of frames).
+#: Files' partials are summed into a block every this many files (and blocks into one every
+#: this many blocks): thousands of small files' frames would otherwise be kept to the end (20k
+#: files: 0.8 GiB of frames).
 FOLD_FILES = 256

@@ -288,9 +288,10 @@ def scan_tokens(
     )
     split = pieces([f for f, hit in zip(files, cached, strict=True) if not hit])
     todo = chunks(split)
-    # The partials read so far, folded into one every FOLD_FILES files: what is kept grows
-    # with the steps, never with the number of files.
-    results: list[Mapping[str, pl.DataFrame]] = [cache.loaded] if cache and cache.loaded else []
+    # Blocks of FOLD_FILES files' partials summed (`folded`), and the files read since (what
+    # is kept grows with the steps and rollouts, never with the number of files).
+    folded: list[Mapping[str, pl.DataFrame]] = [cache.loaded] if cache and cache.loaded else []
+    results: list[Mapping[str, pl.DataFrame]] = []
     # A large file's pieces until its last one is in (a file's partials: the sum of its pieces').
     read: dict[Path, list[Mapping[str, pl.DataFrame]]] = {}
     left = Counter(piece.path for piece in split)
@@ -311,8 +312,13 @@ def scan_tokens(
                         whole = parts[0] if len(parts) == 1 else merge(parts, plan)
                         cache.add(replace(piece, row_groups=None), whole)
                 done += not left[piece.path]
-            if len(results) > limits.FOLD_FILES:
-                results = [merge(results, plan)]
+            if len(results) >= limits.FOLD_FILES:
+                # The new files' partials summed apart from what was folded before (a block's
+                # rows, never the whole run's, are hashed while the workers hold their batches).
+                folded.append(merge(results, plan))
+                results = []
+                if len(folded) >= limits.FOLD_FILES:
+                    folded = [merge(folded, plan)]
             if progress is not None:
                 progress(done, len(files))
     # Arrow's allocator keeps the freed decode buffers for reuse; hand them back, so that what
@@ -320,7 +326,7 @@ def scan_tokens(
     pa.default_memory_pool().release_unused()
     if cache is not None:
         cache.commit()
-    merged = merge(results, plan)
+    merged = merge(folded + results, plan)
     lo, hi = run.step_range
     for level, frame in merged.items():
         if lo is not None:
