@@ -181,17 +181,24 @@ class Run:
                 )
             frames.append(lf.select(exprs))
         lf = frames[0] if len(frames) == 1 else pl.concat(frames, how="vertical")
-        lo, hi = self.step_range
-        if lo is not None:
-            lf = lf.filter(pl.col("step") >= lo)
-        if hi is not None:
-            lf = lf.filter(pl.col("step") <= hi)
+        if self.step_range != (None, None):
+            lf = lf.filter(self.in_step_range())
         present = files.columns
         fills = [
             (pl.col(column).fill_null(expr) if column in present else expr).alias(column)
             for column, (_, expr) in self._derivable(table).items()
         ]
         return lf.with_columns(fills) if fills else lf
+
+    def in_step_range(self) -> pl.Expr:
+        """Rows of the run's step range (a null step is in no range; true without one)."""
+        lo, hi = self.step_range
+        inside = pl.lit(True)
+        if lo is not None:
+            inside &= pl.col("step") >= lo
+        if hi is not None:
+            inside &= pl.col("step") <= hi
+        return inside
 
     def only(self, table: str, indices: Iterable[int]) -> Run:
         """The run with `table` cut to the files at `indices` (same types, derived columns and

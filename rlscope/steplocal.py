@@ -146,7 +146,7 @@ def read_step_local(
         parts = [cached[name].drop(FILE_ID)] if name in cached and cached[name].height else []
         parts += [computed[name]] if name in computed else []
         if parts:
-            merged[name] = _in_range(pl.concat(parts, how="diagonal_relaxed"), run.step_range)
+            merged[name] = pl.concat(parts, how="diagonal_relaxed").filter(run.in_step_range())
     return merged, TableRead(n_files, len(read))
 
 
@@ -190,15 +190,6 @@ def _group_key(file_keys: list[str]) -> str:
     if len(file_keys) == 1:
         return file_keys[0]
     return hashlib.blake2b("\n".join(sorted(file_keys)).encode(), digest_size=16).hexdigest()
-
-
-def _in_range(frame: pl.DataFrame, step_range: tuple[int | None, int | None]) -> pl.DataFrame:
-    lo, hi = step_range
-    if lo is not None:
-        frame = frame.filter(pl.col("step") >= lo)
-    if hi is not None:
-        frame = frame.filter(pl.col("step") <= hi)
-    return frame
 
 
 def fingerprint(run: Run, table: str, parts: Sequence[Any]) -> str:

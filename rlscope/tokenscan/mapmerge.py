@@ -327,13 +327,8 @@ def scan_tokens(
     if cache is not None:
         cache.commit()
     merged = merge(folded + results, plan)
-    lo, hi = run.step_range
-    for level, frame in merged.items():
-        if lo is not None:
-            frame = frame.filter(pl.col("step") >= lo)
-        if hi is not None:
-            frame = frame.filter(pl.col("step") <= hi)
-        merged[level] = frame
+    if run.step_range != (None, None):
+        merged = {level: frame.filter(run.in_step_range()) for level, frame in merged.items()}
     stats = ScanStats(
         files=len(files),
         files_read=len(files) - sum(cached),
