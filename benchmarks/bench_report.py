@@ -1,5 +1,5 @@
 """`rlscope report` against `analyze` (one run) and `compare` (two runs) of the same runs: wall
-time (median) and peak RSS, each a fresh process; writes benchmarks/RESULTS-report.md."""
+time (median) and peak RSS, each a fresh process; writes its section of benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -43,7 +43,12 @@ def median(cmd: list[str], repeat: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RESULTS-report.md")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "benchmarks" / "RESULTS.md",
+        help="written as its section `## report` (the rest of the file is kept)",
+    )
     args = parser.parse_args()
     sample = ROOT / "sample_logs" / "healthy"
     two = ensure_runs()
@@ -61,7 +66,7 @@ def main() -> None:
         ),
     ]
     lines = [
-        "# rlscope report against analyze / compare",
+        SECTION,
         "",
         f"Machine: {platform.platform()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}; median of {args.repeat} runs, each a fresh process with "
@@ -79,8 +84,21 @@ def main() -> None:
             f"| {what} | {at:.2f} | {arss:.2f} | {rt:.2f} | {rrss:.2f} | {rt / at:.2f} "
             f"| {size:.2f} |"
         )
-    args.out.write_text("\n".join(lines) + "\n")
+    write_section(args.out, lines)
     print("\n".join(lines))
+
+
+SECTION = "## report against analyze / compare"
+
+
+def write_section(path: Path, lines: list[str]) -> None:
+    """`lines` (a section starting with SECTION) in place of that section of `path`, or at its
+    end; the rest of the file as it was."""
+    text = path.read_text() if path.exists() else ""
+    head, _, tail = text.partition(SECTION)
+    rest = tail.split("\n## ", 1)[1] if "\n## " in tail else ""
+    kept = head.rstrip("\n") + ("\n\n## " + rest.rstrip("\n") if rest else "")
+    path.write_text((kept + "\n\n" if kept else "") + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

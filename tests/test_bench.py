@@ -49,3 +49,18 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
     # The incremental table: after appending one file, exactly one file was read.
     incremental = text.split("## Incremental re-analysis")[1].split("\n## ")[0]
     assert incremental.rstrip().splitlines()[-1].rstrip("|").split("|")[-1].strip() == "1"
+
+
+def test_the_report_benchmark_replaces_its_own_section_only(tmp_path: Path) -> None:
+    """bench_report.py writes its table as a section of RESULTS.md: again and again in place,
+    the other sections kept as they are."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_report import SECTION, write_section
+
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# rlscope analyze benchmark\n\ntable\n\n## Incremental\n\nrows\n")
+    for value in ("first", "second"):
+        write_section(results, [SECTION, "", value])
+    text = results.read_text()
+    assert text.count(SECTION) == 1 and "second" in text and "first" not in text
+    assert text.startswith("# rlscope analyze benchmark\n\ntable\n\n## Incremental\n\nrows\n")

@@ -257,8 +257,9 @@ DECLARED.metric(
         layer="L2",
         title="Truncation rate",
         doc="Share of train rollouts that hit the generation length cap (`truncated`, or "
-        "response_len >= run.json max_response_len). Truncated responses usually get no reward "
-        "for a reason unrelated to the task, which biases the learning signal.",
+        "response_len >= run.json max_response_len); without rollouts, the trainer's logged "
+        "share (a value outside [0, 1] is corrupt and left out). Truncated responses usually get "
+        "no reward for a reason unrelated to the task, which biases the learning signal.",
         healthy="below a few percent",
         references="verl response_length/clip_ratio; TRL completions/clipped_ratio",
         variants=(

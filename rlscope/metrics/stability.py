@@ -152,7 +152,8 @@ DECLARED.metric(
         doc="Share of tokens whose PPO ratio clip is active. From the tokens' `clipped` flag when "
         "logged; otherwise derived with TRL's rule from r = exp(logprob - old_logprob) and the "
         "token advantage (low: r < 1-ε_low and A < 0; high: r > 1+ε_high and A > 0; ε from "
-        "run.json clip_ratio_low/high, default 0.2); otherwise the steps table's clip_frac. Fully "
+        "run.json clip_ratio_low/high, default 0.2); otherwise the steps table's clip_frac (a "
+        "logged value outside [0, 1] is corrupt and left out). Fully "
         "on-policy runs (one update per batch) have r = 1 and a clip fraction of 0 by "
         "construction. Read with entropy: low entropy with a high clip fraction is the classic "
         "instability (entropy-clip-conflict).",
