@@ -648,3 +648,17 @@ def test_small_files_read_in_pools_give_each_file_its_own_partials(
     merged = merge(per_file, plan)
     for level in plan.levels:
         assert_frames_close(merged[level], whole[level])
+
+
+def test_pooled_and_whole_file_reads_take_paths_literally(write_run: WriteRun) -> None:
+    """A run directory named like a glob pattern, with `key=value` folder names, read by the
+    small-file paths (one file whole, consecutive files in one scan): the files themselves,
+    no pattern and no hive column."""
+    tokens = make_tokens(16, range(1, 9))
+    rollouts = rollouts_of(tokens)
+    pieces = split(tokens, at_rollout_boundaries(tokens, 5))
+    plain = write_run({"rollouts": rollouts, "tokens": pieces}, name="plain")
+    odd = write_run({"rollouts": rollouts, "tokens": pieces}, name="step=9 [run]*")
+    a, b = compute(open_run(plain)), compute(open_run(odd))
+    assert b.tokens.files == 5 and b.tokens.rows == tokens["step"].size
+    assert_results_close(a.results, b.results)

@@ -148,7 +148,9 @@ def _reads(files: list[TokenFile]) -> Iterator[tuple[int | None, pl.DataFrame]]:
         pool = files[i:j]
         paths = {str(f.path): i + k for k, f in enumerate(pool)}
         present = [c for c in pool[0].target if c in pool[0].schema]
-        scan = pl.scan_parquet(list(paths), include_file_paths=FILE)
+        scan = pl.scan_parquet(
+            list(paths), include_file_paths=FILE, hive_partitioning=False, glob=False
+        )
         rows = scan.select(*present, pl.col(FILE).replace_strict(paths, return_dtype=pl.Int32))
         yield None, rows.collect()
         i = j

@@ -28,7 +28,7 @@ def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
     present = [c for c in file.target if c in file.schema]
     if file.row_groups is None and file.stat[0] <= limits.SMALL_FILE_BYTES:
         # Read whole by Polars: half pyarrow's per-file cost, and a live run has thousands.
-        frame = pl.read_parquet(file.path, columns=present)
+        frame = pl.read_parquet(file.path, columns=present, hive_partitioning=False, glob=False)
         size = _even(frame.height, limits.BATCH_ROWS)
         for offset in range(0, frame.height, size or 1):
             yield frame.slice(offset, size)
