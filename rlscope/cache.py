@@ -99,7 +99,7 @@ class Parts:
         try:
             self._manifest = json.loads((self.folder / "MANIFEST").read_text())
             for part in self._manifest:
-                known = pl.read_ipc(self.folder / part / "files.arrow")
+                known = _read_ipc(self.folder / part / "files.arrow")
                 live = known.filter(pl.col("key").is_in(list(position)))
                 self._files[part] = known.height
                 self._live[part] = live["id"].to_list()
@@ -125,7 +125,7 @@ class Parts:
                 schema={FILE_ID: pl.Int64, "__index__": pl.Int64},
             )
             out.append(
-                pl.scan_ipc(self.folder / part / f"{name}.arrow")
+                pl.scan_ipc(self.folder / part / f"{name}.arrow", glob=False)
                 .join(index.lazy(), on=FILE_ID)
                 .with_columns(pl.col("__index__").alias(FILE_ID))
                 .drop("__index__")
@@ -214,7 +214,7 @@ class Parts:
         keys: list[str] = []
         tagged: dict[str, list[pl.DataFrame]] = {name: [] for name in self.names}
         for part in parts:
-            known = pl.read_ipc(self.folder / part / "files.arrow")
+            known = _read_ipc(self.folder / part / "files.arrow")
             known = known.filter(pl.col("id").is_in(self._live[part])).sort("id")
             first = len(keys)
             renumber = known.select(
@@ -223,7 +223,7 @@ class Parts:
             )
             keys += known["key"].to_list()
             for name in self.names:
-                frame = pl.read_ipc(self.folder / part / f"{name}.arrow")
+                frame = _read_ipc(self.folder / part / f"{name}.arrow")
                 if frame.height:
                     tagged[name].append(
                         frame.join(renumber, on=FILE_ID)
@@ -331,6 +331,11 @@ class PartialCache:
         """The store of `table`'s per-file (or per-group-of-files) frames of one kind."""
         folder = self.base / "table-partials" / table / role / fingerprint / _run_digest(run)
         return Parts(folder, names)
+
+
+def _read_ipc(path: Path) -> pl.DataFrame:
+    """An Arrow IPC file by its literal path (`pl.read_ipc` expands `[`, `*` as a pattern)."""
+    return pl.scan_ipc(path, glob=False).collect()
 
 
 def _pack_name(level: str) -> str:

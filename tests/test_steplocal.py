@@ -209,3 +209,12 @@ def test_a_damaged_cache_is_read_again_never_trusted(
     again = analyze(whole, cache_dir=cache)
     assert (again.run.table_files["rollouts"][1] > 0) == (damaged != "steps_of.arrow")
     assert_json_close(_json(again), _json(first))
+
+
+def test_a_cache_dir_named_like_a_pattern_is_used(grown: tuple[Path, Path], tmp_path: Path) -> None:
+    """`--cache-dir` with glob characters: its parts are read by their literal paths."""
+    _, whole = grown
+    cache = tmp_path / "cache [1]*"
+    analyze(whole, cache_dir=cache)
+    again = analyze(whole, cache_dir=cache)
+    assert again.run.table_files["rollouts"][1] == 0
