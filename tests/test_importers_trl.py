@@ -392,3 +392,17 @@ def test_an_importer_revision_never_reuses_an_older_import(
     before = cache.import_cache_dir("trl", tmp_path, {}, root=tmp_path)
     monkeypatch.setattr(cache, "IMPORT_REVISION", cache.IMPORT_REVISION + 1)
     assert cache.import_cache_dir("trl", tmp_path, {}, root=tmp_path) != before
+
+
+@needs_tiny
+def test_a_trl_dir_named_like_a_pattern_imports(tmp_path: Path) -> None:
+    """TRL output under `runs/lr=1e-5 [a]*/`: its files are read by their literal paths, with
+    no column taken from the `key=value` folder."""
+    odd = tmp_path / "lr=1e-5 [a]*"
+    shutil.copytree(TINY, odd)
+    plain, strange = tmp_path / "plain", tmp_path / "strange"
+    import_run("trl", TINY, plain)
+    import_run("trl", odd, strange)
+    a = pl.read_parquet(sorted((plain / "rollouts").glob("*.parquet")))
+    b = pl.read_parquet([str(p) for p in sorted((strange / "rollouts").glob("*.parquet"))])
+    assert a.columns == b.columns and a.height == b.height > 0

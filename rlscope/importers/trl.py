@@ -414,7 +414,7 @@ def _global_step(path: Path) -> int:
 
 def _read(path: Path, session: Session) -> pl.DataFrame | None:
     try:
-        frame = pl.read_parquet(path)
+        frame = pl.read_parquet(path, glob=False, hive_partitioning=False)
     except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
         message = f"{path}: not a readable Parquet file ({exc}); skipped"
         if session.options["strict"]:
@@ -434,7 +434,7 @@ def _infer_generations(paths: list[Path]) -> int:
     runs: list[int] = []
     for path in paths:
         try:
-            prompts = pl.read_parquet(path, columns=["prompt"])
+            prompts = pl.read_parquet(path, columns=["prompt"], glob=False, hive_partitioning=False)
         except Exception:
             continue
         text = prompts.select(messages_expr("prompt", prompts.schema["prompt"])).to_series()
