@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -32,37 +33,54 @@ def ensure_run(responses: int) -> Path:
     return path
 
 
-def live_copy(run: Path, steps_per_file: int = 10) -> Path:
-    """The run as a trainer flushing every `steps_per_file` steps writes it: its rollouts and
-    steps tables in files of that many steps (the text is hard-linked in no way: rewritten)."""
+#: The tables a live run grows by: a file of each per flush.
+LIVE_TABLES = ("rollouts", "steps", "probes")
+
+
+def live_copy(run: Path, steps_per_file: int = 10, rollouts_per_file: int | None = None) -> Path:
+    """The run as a trainer flushing every `steps_per_file` steps writes it: its rollouts,
+    steps and probes tables in files of that many steps (probes by their rollout's step);
+    with `rollouts_per_file`, the rollouts in files of that many rows instead (a file per
+    rollout batch: thousands of files)."""
     import polars as pl
 
-    path = run.parent / f"{run.name}-live"
+    name = f"{run.name}-live-{rollouts_per_file}r" if rollouts_per_file else f"{run.name}-live"
+    path = run.parent / name
     if (path / "run.json").exists():
         return path
     shutil.rmtree(path, ignore_errors=True)
-    shutil.copytree(run, path, ignore=shutil.ignore_patterns("rollouts", "steps"))
-    for table in ("rollouts", "steps"):
+    shutil.copytree(run, path, ignore=shutil.ignore_patterns(*LIVE_TABLES))
+    rollouts = pl.scan_parquet(sorted((run / "rollouts").glob("*.parquet")))
+    steps = rollouts.select(pl.col("step").unique().sort()).collect()["step"].to_list()
+    for table in LIVE_TABLES:
         (path / table).mkdir()
         rows = pl.scan_parquet(sorted((run / table).glob("*.parquet")))
-        steps = rows.select(pl.col("step").unique().sort()).collect()["step"].to_list()
+        if table == "probes":
+            rows = rows.join(rollouts.select("rollout_id", "step"), on="rollout_id")
+        if table == "rollouts" and rollouts_per_file:
+            ordered = rows.sort("step", "rollout_id").collect()
+            for index in range(0, ordered.height, rollouts_per_file):
+                part = ordered.slice(index, rollouts_per_file)
+                part.write_parquet(path / table / f"part-{index // rollouts_per_file:06d}.parquet")
+            continue
         for index in range(0, len(steps), steps_per_file):
             lo, hi = steps[index], steps[min(index + steps_per_file, len(steps)) - 1]
             part = rows.filter(pl.col("step").is_between(lo, hi)).collect()
+            part = part.drop("step") if table == "probes" else part
             part.write_parquet(path / table / f"part-{index // steps_per_file:05d}.parquet")
     return path
 
 
-def incremental(run: Path) -> dict[str, float]:
-    """A live run's re-analysis (`check --watch` does one per poll): without its last rollouts
-    and steps files, analysed once to fill a fresh cache, again with nothing new, then with the
-    files added (as the trainer writes them): seconds, peak RSS and files read."""
+def incremental(run: Path) -> dict[str, Any]:
+    """A live run's re-analysis (`check --watch` does one per poll): without the last file of
+    each of its tables, analysed once to fill a fresh cache, again with nothing new, then with
+    the files added (as the trainer writes them): seconds, peak RSS and files read."""
     work = run.parent / f"{run.name}-growing"
     cache = run.parent / f"{run.name}-cache"
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(cache, ignore_errors=True)
     shutil.copytree(run, work, copy_function=os.link)
-    held = {t: sorted((work / t).glob("*.parquet"))[-1] for t in ("rollouts", "steps")}
+    held = {t: sorted((work / t).glob("*.parquet"))[-1] for t in LIVE_TABLES}
     for table, path in held.items():
         os.replace(path, run.parent / f"held-{table}.parquet")
     env = {**os.environ, "RLSCOPE_CACHE_DIR": str(cache)}
@@ -83,7 +101,7 @@ def incremental(run: Path) -> dict[str, float]:
     if any(v["read"] for v in before.values()) or any(v["read"] != 1 for v in after.values()):
         raise SystemExit(f"incremental re-analysis read {before} then {after}")
     return {
-        "files": after["rollouts"]["total"],
+        "files": {t: after[t]["total"] for t in LIVE_TABLES},
         "fill": fill,
         "cached": cached,
         "appended": appended,
@@ -110,6 +128,12 @@ def main() -> None:
     parser.add_argument("--responses", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000])
     parser.add_argument(
         "--live", type=int, default=1_000_000, help="the run of the incremental re-analysis"
+    )
+    parser.add_argument(
+        "--many",
+        type=int,
+        default=100_000,
+        help="the run of the incremental re-analysis with a rollouts file per 64 rollouts",
     )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RESULTS-text.md")
@@ -139,26 +163,37 @@ def main() -> None:
     ]
     for n, (at, arss), (bt, brss) in rows:
         lines.append(f"| {n:,} | {at:.1f} | {arss:.2f} | {bt:.1f} | {brss:.2f} |")
-    live = live_copy(ensure_run(args.live))
-    incr = incremental(live)
-    print(json.dumps(incr), file=sys.stderr)
+    lives = [live_copy(ensure_run(args.live)), live_copy(ensure_run(args.many), 1, 64)]
+    measured = []
+    for live in lives:
+        measured.append(incremental(live))
+        print(json.dumps(measured[-1]), file=sys.stderr)
     lines += [
         "",
         "## Incremental re-analysis of a live run",
         "",
-        f"The {args.live:,}-response run with its rollouts and steps tables in files of 10 steps "
-        "(as a trainer flushing every 10 steps writes them), without its last two files: "
-        "analysed once (filling a fresh cache), again with nothing new, then after its last "
-        "rollouts and steps files are added: only those are read (`run.table_files` in the "
-        "JSON). `check --watch` does one such re-analysis per poll. Each is one run of a fresh "
-        "process.",
+        f"Two live runs: the {args.live:,}-response run with its rollouts, steps and probes "
+        "tables in files of 10 steps (as a trainer flushing every 10 steps writes them), and "
+        f"the {args.many:,}-response run with a file of 64 rollouts per rollout batch (steps "
+        "and probes a file per step). Each without the last file of each table: analysed once "
+        "(filling a fresh cache), again with nothing new, then after those files are added: "
+        "one file of each table is read (`run.table_files` in the JSON; checked). The "
+        "rollouts checks (duplicate ids, invalid values, probes and token rows without a "
+        "rollout) and the probes' join come from each file's cached index. `check --watch` does "
+        "one such re-analysis per poll. Each is one run of a fresh process.",
         "",
-        "| rollouts files | no cache (s) | first analysis, cache empty (s) | nothing new (s) "
-        "| a file appended (s) | its peak RSS (GiB) |",
-        "|---:|---:|---:|---:|---:|---:|",
-        f"| {incr['files']} | {incr['uncached'][0]:.1f} | {incr['fill'][0]:.1f} "
-        f"| {incr['cached'][0]:.1f} | {incr['appended'][0]:.1f} | {incr['appended'][1]:.2f} |",
+        "| responses | rollouts / steps / probes files | no cache (s) "
+        "| first analysis, cache empty (s) | nothing new (s) | a file of each appended (s) "
+        "| its peak RSS (GiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    for n, incr in zip((args.live, args.many), measured, strict=True):
+        files = " / ".join(f"{incr['files'][t]:,}" for t in LIVE_TABLES)
+        lines.append(
+            f"| {n:,} | {files} | {incr['uncached'][0]:.1f} | {incr['fill'][0]:.1f} "
+            f"| {incr['cached'][0]:.1f} | {incr['appended'][0]:.1f} "
+            f"| {incr['appended'][1]:.2f} |"
+        )
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

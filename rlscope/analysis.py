@@ -55,7 +55,8 @@ def analyze(
         import_notes = [f"imported from {from_format} {path} into {out}", *imported.notes]
         import_notes += [f"import warning: {w}" for w in imported.warnings]
         path = out
-    run = open_run(path, steps=steps)
+    # With a cache, the rollouts are checked from what it keeps of each file (`compute`).
+    run = open_run(path, steps=steps, check_rollouts=not use_cache)
     config = config if config is not None else load_config()
     cache = PartialCache(cache_dir) if use_cache else None
     computed = compute(

@@ -13,10 +13,26 @@ import pyarrow as pa
 from rlscope.catalog import Catalog, default_catalog
 from rlscope.context import MetricContext
 from rlscope.errors import RlscopeError
-from rlscope.reader import INVALID_PREFIX, Run, invalid_warnings, scan_error, valid_rollout
+from rlscope.reader import (
+    FILE_INDEX,
+    INVALID_PREFIX,
+    Run,
+    check_rollouts_scan,
+    invalid_warnings,
+    scan_error,
+    valid_rollout,
+)
 from rlscope.report import Logged, MetricResult, Skipped
 from rlscope.spec import Metric, Variant, split_column
-from rlscope.steplocal import TableRead, TableStore, read_step_local
+from rlscope.steplocal import (
+    FileIndex,
+    TableRead,
+    TableStore,
+    checked_rollouts,
+    file_index,
+    read_probes,
+    read_step_local,
+)
 from rlscope.steplocal import fingerprint as steplocal_fingerprint
 from rlscope.text import MINHASH_PREFIX, TextSettings
 from rlscope.tokenscan import ROWS, Mapper, PartialStore, ScanStats, TokenPlan, scan_tokens
@@ -123,10 +139,11 @@ def aggregate_query(
 
     Two levels are not aggregations: rollouts' "rollout" level (one row per rollout: the
     partials are elementwise features, e.g. of the text, which is dropped once they are
-    computed) and probes (one row per probe, with its rollout's step, split and answer)."""
+    computed) and probes (one row per probe, with its rollout's step, split and answer, and
+    the probes file's FILE_INDEX)."""
     exprs = [expr.alias(name) for name, expr in partials.items()]
     if table == "probes":
-        return probes_query(run).select(*PROBE_KEYS, *exprs)
+        return probes_query(run, file_index=True).select(FILE_INDEX, *PROBE_KEYS, *exprs)
     if table == "rollouts" and level == "rollout":
         lf = run.scan("rollouts").filter(valid_rollout())
         if steps is not None:
@@ -178,27 +195,33 @@ def _float_columns_used(run: Run, table: str, partials: dict[str, pl.Expr]) -> l
     return [c for c, t in schema.items() if c in used and isinstance(t, pl.Float32 | pl.Float64)]
 
 
-def probes_query(run: Run) -> pl.LazyFrame:
+def probes_query(run: Run, *, file_index: bool = False) -> pl.LazyFrame:
     """Probes joined with their rollout's step, split and answer (`original_answer`, null when
     the rollouts table has no answer column). Probes carry no step: the step range applies
-    through their rollout. Probes of unknown rollouts are counted in the reader's warnings."""
+    through their rollout. Probes of unknown rollouts are counted in the reader's warnings.
+    With `file_index`, the probes file's FILE_INDEX."""
     answer = pl.col("answer") if run.has("rollouts", "answer") else pl.lit(None, pl.String)
     rollouts = (
         run.scan("rollouts")
         .filter(valid_rollout())
         .select("rollout_id", "step", "split", answer.alias("original_answer"))
     )
-    probes = replace(run, step_range=(None, None)).scan("probes")
+    probes = replace(run, step_range=(None, None)).scan("probes", file_index=file_index)
     return probes.join(rollouts, on="rollout_id", how="inner")
 
 
-def orphan_warning(run: Run, ids: pl.DataFrame) -> str | None:
+def orphan_warning(run: Run, ids: pl.DataFrame, rollouts: FileIndex | None = None) -> str | None:
     """The warning for token rows whose rollout_id is not in the rollouts table, given the
-    token rows per (step, rollout_id) (the token scan's "ids" level)."""
-    known = replace(run, step_range=(None, None)).scan("rollouts").select("rollout_id").unique()
+    token rows per (step, rollout_id) (the token scan's "ids" level); the rollouts' ids from
+    their `rollouts` index when given, else read."""
+    if rollouts is not None:
+        known = rollouts.files_of_ids(ids.select("rollout_id").unique()).lazy()
+    else:
+        unranged = replace(run, step_range=(None, None))
+        known = unranged.scan("rollouts").select("rollout_id").unique()
     orphans = (
         ids.lazy()
-        .join(known, on="rollout_id", how="anti", nulls_equal=False)
+        .join(known.select("rollout_id"), on="rollout_id", how="anti", nulls_equal=False)
         .select(pl.col("rollout_id").n_unique().alias("ids"), pl.col("len").sum().alias("rows"))
         .collect()
     )
@@ -263,17 +286,22 @@ def compute(
             f"logged:{c}": pl.col(c).cast(pl.Float64).mean() for c in dict.fromkeys(logged.values())
         }
         by_level.setdefault(("steps", ""), []).append(Variant("steps", (), _no_series, partials))
-    levels = sorted(by_level)
-    token_levels = [level for table, level in levels if table == "tokens"]
+    token_levels = [level for table, level in sorted(by_level) if table == "tokens"]
     if token_levels and "" not in token_levels:
         token_levels.insert(0, "")  # the token scan always counts rows and NaN/inf per step
-    levels = [key for key in levels if key[0] == "probes"]
     counted: dict[tuple[str, str], list[str]] = {}
-    queries = [
-        aggregate_query(run, table, level, _merged_partials(by_level[table, level], context))
-        for table, level in levels
-    ]
     warnings: list[str] = []
+    # What is known of each rollouts and probes file, cached (see rlscope.steplocal); the
+    # rollouts check when the run was opened without it.
+    store = cache if isinstance(cache, TableStore) else None
+    index: dict[str, FileIndex] = {}
+    if store is not None:
+        index = {t: file_index(run, t, store) for t in ("rollouts", "probes") if t in run.tables}
+    if not run.rollouts_checked and "rollouts" in run.tables:
+        if "rollouts" in index:
+            warnings += checked_rollouts(run, index["rollouts"], index.get("probes"))
+        else:
+            warnings += check_rollouts_scan(run)
     scan_stats = ScanStats()
     token_frames: dict[str, pl.DataFrame] = {}
     # Tokens first: the scan hands its decode buffers back when done, so the peak is the larger
@@ -286,24 +314,43 @@ def compute(
             token_frames, scan_stats = scan_tokens(
                 run, token_plan, cache=cache, progress=progress, mapper=mapper
             )
-            orphans = orphan_warning(run, token_frames.pop("ids")) if token_plan.ids else None
+            token_ids = token_frames.pop("ids", None)
+            orphans = (
+                orphan_warning(run, token_ids, index.get("rollouts"))
+                if token_ids is not None
+                else None
+            )
         except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
             raise scan_error(run, ["tokens"], "reading tokens", exc) from None
         counted["tokens", ""] = list(token_plan.count_invalid)
         warnings += [orphans] if orphans else []
-    collected = _collect(queries, "reading probes", run, ["probes"])
+    # The steps, rollouts and probes tables, each file's results cached (see rlscope.steplocal).
+    levels: list[tuple[str, str]] = []
+    collected: list[pl.DataFrame] = []
+    table_reads: dict[str, TableRead] = {}
+    if ("probes", "") in by_level and "probes" in run.tables:
+        partials = _merged_partials(by_level["probes", ""], context)
+        rows, table_reads["probes"] = read_probes(
+            run,
+            lambda part: aggregate_query(part, "probes", "", partials),
+            store=store,
+            fingerprint=steplocal_fingerprint(
+                run, "probes", [partials, probes_query, dict(run.tables["rollouts"].schema)]
+            ),
+            probes=index.get("probes"),
+            rollouts=index.get("rollouts"),
+        )
+        levels.append(("probes", ""))
+        collected.append(rows)
     for level in token_levels:
         levels.append(("tokens", level))
         collected.append(token_frames[level])
-    # The steps and rollouts tables, each file's results cached (see rlscope.steplocal).
-    store = cache if isinstance(cache, TableStore) else None
     rollout_level = (
         RolloutLevel.of(run, chosen, by_level[ROLLOUT_LEVEL], available, context)
         if ROLLOUT_LEVEL in by_level
         else None
     )
     series_frames: dict[str, pl.DataFrame] = {}
-    table_reads: dict[str, TableRead] = {}
     for table in ("steps", "rollouts"):
         wanted = (table, "") in by_level or (table == "rollouts" and rollout_level is not None)
         if table not in run.tables or not wanted:
@@ -312,7 +359,13 @@ def compute(
         if table == "steps":
             counted[table, ""] = read.counted
         frames, table_reads[table] = read_step_local(
-            run, table, read.names, read.frames_of, store=store, fingerprint=read.fingerprint
+            run,
+            table,
+            read.names,
+            read.frames_of,
+            store=store,
+            fingerprint=read.fingerprint,
+            index=index.get(table),
         )
         if "level" in frames:
             levels.append((table, ""))
@@ -345,7 +398,8 @@ def compute(
     if rollout_level is not None:
         frames |= {i: series_frames[i] for i in rollout_level.direct}
         alternates = {i: series_frames[i].sort("step") for i in rollout_level.fallback}
-        recent = rollout_level.recent(run, _train_steps(run, aggregates.get(("rollouts", ""))))
+        train_steps = _train_steps(run, aggregates.get(("rollouts", "")))
+        recent = rollout_level.recent(run, train_steps, index.get("rollouts"))
         if recent is not None:
             aggregates[ROLLOUT_LEVEL] = recent
         ids = list(chosen)
@@ -487,10 +541,13 @@ class RolloutLevel:
         empty = pl.DataFrame(schema={"step": pl.Int64, "value": pl.Float64})
         return {i: pl.concat(p, how="diagonal_relaxed") if p else empty for i, p in parts.items()}
 
-    def recent(self, run: Run, train_steps: pl.DataFrame) -> pl.DataFrame | None:
+    def recent(
+        self, run: Run, train_steps: pl.DataFrame, index: FileIndex | None = None
+    ) -> pl.DataFrame | None:
         """The rows of the final window's train steps that findings name example rollouts
         from (the latest RECENT_ROLLOUTS at most), without the MinHash signature; `train_steps`
-        holds the train rollouts per step (`step`, `len`)."""
+        holds the train rollouts per step (`step`, `len`); with the rollouts' `index`, only
+        the files holding those steps are read."""
         steps = train_steps.sort("step")
         if steps.height == 0:
             return None
@@ -498,7 +555,10 @@ class RolloutLevel:
         latest = window.filter(pl.col("len").reverse().cum_sum().reverse() <= RECENT_ROLLOUTS)
         first = int((latest if latest.height else window.tail(1))["step"][0])
         partials = {n: e for n, e in self.partials.items() if not n.startswith(MINHASH_PREFIX)}
-        rows = self._rows(run, (first, int(steps["step"][-1])), partials)
+        last = int(steps["step"][-1])
+        if index is not None:
+            run = run.only("rollouts", index.files_with_steps(first, last) or [0])
+        rows = self._rows(run, (first, last), partials)
         return rows.filter(pl.col("split") == "train")
 
     def _rows(self, run: Run, steps: tuple[int, int], partials: dict[str, pl.Expr]) -> pl.DataFrame:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,8 @@ class Run:
     tables: dict[str, TableFiles]
     warnings: tuple[str, ...] = ()
     step_range: tuple[int | None, int | None] = (None, None)
+    #: Whether `warnings` hold the rollouts check (`check_rollouts`), done at open by default.
+    rollouts_checked: bool = True
 
     @property
     def provenance(self) -> dict[str, str]:
@@ -348,9 +350,14 @@ def conform(
 
 
 def open_run(
-    path: str | os.PathLike[str], *, steps: tuple[int | None, int | None] = (None, None)
+    path: str | os.PathLike[str],
+    *,
+    steps: tuple[int | None, int | None] = (None, None),
+    check_rollouts: bool = True,
 ) -> Run:
-    """Validate a run directory's layout, run.json and every file's schema (footers only)."""
+    """Validate a run directory's layout, run.json and every file's schema (footers only) and,
+    unless told not to (an analysis that checks them from its cache), the rollouts' ids and
+    values (`check_rollouts`)."""
     root = Path(path)
     if not root.exists():
         raise RlscopeError(f"{root}: no such run directory")
@@ -373,9 +380,9 @@ def open_run(
                 )
             continue
         tables[name] = _validate_table(root, name, files, warnings)
-    run = Run(root, meta, tables, (), steps)
-    if "rollouts" in tables:
-        warnings += _check_rollouts(run)
+    run = Run(root, meta, tables, (), steps, rollouts_checked=check_rollouts)
+    if "rollouts" in tables and check_rollouts:
+        warnings += check_rollouts_scan(run)
     return replace(run, warnings=tuple(warnings))
 
 
@@ -643,25 +650,32 @@ def _canonical(column: Column, seen: Iterable[pl.DataType]) -> pl.DataType:
     return want
 
 
-def _check_rollouts(run: Run) -> list[str]:
-    """Duplicate rollout ids are an error. Warnings: rows without a finite reward or with an
-    absurd response_len (left out of the rollout metrics), NaN/inf in other float columns,
-    probes whose rollout_id is not a rollout. One pass over the (small) rollouts table."""
-    files = run.tables["rollouts"]
+def rollout_counts(run: Run) -> list[pl.Expr]:
+    """What the rollouts check counts (summed per file or over the run): rows without a step,
+    without a finite reward, with an absurd response_len, and NaN/inf per other float column
+    (of rows scanned with invalid flags)."""
+    floats = [c for c, t in run.tables["rollouts"].schema.items() if t.is_float()]
+    has_step, has_reward = pl.col("step").is_not_null(), pl.col("reward").is_not_null()
+    return [
+        (~has_step).sum().cast(pl.Int64).alias("no_step"),
+        (has_step & ~has_reward).sum().cast(pl.Int64).alias("no_reward"),
+        (has_step & has_reward & ~valid_rollout()).sum().cast(pl.Int64).alias("bad_len"),
+        *[
+            pl.col(INVALID_PREFIX + c).sum().cast(pl.Int64).alias(INVALID_PREFIX + c)
+            for c in floats
+            if c != "reward"
+        ],
+    ]
+
+
+def check_rollouts_scan(run: Run) -> list[str]:
+    """`check_rollouts` from one pass over the rollouts (and probes) tables."""
     unranged = replace(run, step_range=(None, None))
     raw = unranged.scan("rollouts", invalid_flags=True)
     dupes_query = (
         raw.group_by("rollout_id").len().filter(pl.col("len") > 1).sort("rollout_id").head(5)
     )
-    floats = [c for c, t in files.schema.items() if isinstance(t, pl.Float32 | pl.Float64)]
-    has_step, has_reward = pl.col("step").is_not_null(), pl.col("reward").is_not_null()
-    counts_query = raw.select(
-        (~has_step).sum().alias("no_step"),
-        (has_step & ~has_reward).sum().alias("no_reward"),
-        (has_step & has_reward & ~valid_rollout()).sum().alias("bad_len"),
-        *[pl.col(INVALID_PREFIX + c).sum().alias(c) for c in floats if c != "reward"],
-    )
-    queries = [dupes_query, counts_query]
+    queries = [dupes_query, raw.select(rollout_counts(run))]
     if "probes" in run.tables:
         ids = raw.select("rollout_id").unique()
         queries.append(
@@ -673,32 +687,48 @@ def _check_rollouts(run: Run) -> list[str]:
         dupes, counts, *probes = pl.collect_all(queries)
     except (pl.exceptions.PolarsError, OSError) as exc:
         raise scan_error(run, ["rollouts", "probes"], "checking rollout ids", exc) from None
-    if dupes.height:
-        ids_text = ", ".join(str(i) for i in dupes["rollout_id"].to_list())
+    unknown = (int(probes[0]["rows"][0]), int(probes[0]["ids"][0])) if probes else (0, 0)
+    return check_rollouts(run, dupes["rollout_id"].to_list(), counts.row(0, named=True), unknown)
+
+
+def check_rollouts(
+    run: Run,
+    duplicates: list[int],
+    counts: Mapping[str, int | None],
+    unknown_probed: tuple[int, int],
+) -> list[str]:
+    """Duplicate rollout ids (the first few, `duplicates`) are an error. Warnings: rows without
+    a finite reward or with an absurd response_len (left out of the rollout metrics), NaN/inf
+    in other float columns (`counts`, of `rollout_counts`), and probes whose rollout_id is not
+    a rollout (`unknown_probed`: rows, ids)."""
+    if duplicates:
+        ids_text = ", ".join(str(i) for i in duplicates)
         raise RlscopeError(
             f"{run.path}: rollouts table has duplicate rollout_id values (e.g. {ids_text})",
             hint="rollout_id must be unique in the run; with several ranks, offset ids by rank",
         )
-    row = counts.row(0, named=True)
     warnings = []
-    if row["no_step"]:
+    if counts["no_step"]:
         warnings.append(
-            f"rollouts: {row['no_step']:,} row(s) with a null step are left out of the rollout "
-            "metrics"
+            f"rollouts: {counts['no_step']:,} row(s) with a null step are left out of the "
+            "rollout metrics"
         )
-    if row["no_reward"]:
+    if counts["no_reward"]:
         warnings.append(
-            f"rollouts: {row['no_reward']:,} row(s) with a missing, NaN or infinite reward are "
-            "left out of the rollout metrics"
+            f"rollouts: {counts['no_reward']:,} row(s) with a missing, NaN or infinite reward "
+            "are left out of the rollout metrics"
         )
-    if row["bad_len"]:
+    if counts["bad_len"]:
         warnings.append(
-            f"rollouts: {row['bad_len']:,} row(s) with a negative or absurd response_len "
+            f"rollouts: {counts['bad_len']:,} row(s) with a negative or absurd response_len "
             f"(< 0 or > {MAX_RESPONSE_LEN:,}) are left out of the rollout metrics"
         )
-    warnings += invalid_warnings("rollouts", {c: row[c] for c in floats if c != "reward"})
-    if probes and probes[0]["rows"][0]:
-        rows, n_ids = probes[0]["rows"][0], probes[0]["ids"][0]
+    invalid = {
+        c.removeprefix(INVALID_PREFIX): n for c, n in counts.items() if c.startswith(INVALID_PREFIX)
+    }
+    warnings += invalid_warnings("rollouts", invalid)
+    rows, n_ids = unknown_probed
+    if rows:
         warnings.append(
             f"probes: {rows:,} row(s) reference {n_ids:,} rollout_id value(s) that are not in "
             "the rollouts table"

@@ -1,5 +1,5 @@
-"""The steps and rollouts tables read per file: a file's step-keyed results are cached, and only
-new files are read, when no step spans two files (the usual live run: a file per flush)."""
+"""The steps, rollouts and probes tables read per file: each file's results are cached and only
+new or changed files are read (the usual live run: a file per flush)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import CodeType
 from typing import Any, Protocol, runtime_checkable
 
 import polars as pl
 
 from rlscope._version import __version__
-from rlscope.reader import FILE_INDEX, Run, scan_error
+from rlscope.reader import FILE_INDEX, Run, check_rollouts, rollout_counts, scan_error
 from rlscope.tokenscan import FILE_ID
 
 #: The (file, step) pairs of a file, stored with its results: what says whether a step spans
@@ -59,6 +59,131 @@ class TableRead:
 FramesOf = Callable[[Run], dict[str, pl.DataFrame]]
 
 
+@dataclass(frozen=True)
+class FileIndex:
+    """What is known of each file of a table without reading it again, read once per file and
+    then kept in the cache: its key, and frames with a FILE_INDEX column: steps and rollouts,
+    the file's steps (STEPS_OF); rollouts, its runs of consecutive ids (IDS_OF: ID_MIN, ID_MAX)
+    and the rollouts check's counts (CHECKS_OF: `reader.rollout_counts`); probes, the rows per
+    probed rollout_id (PROBED: rollout_id, len)."""
+
+    keys: list[str]
+    frames: dict[str, pl.DataFrame]
+
+    @property
+    def steps(self) -> pl.DataFrame:
+        return self.frames[STEPS_OF]
+
+    @property
+    def id_runs(self) -> pl.DataFrame:
+        return self.frames[IDS_OF]
+
+    def files_with_steps(self, first: int, last: int) -> list[int]:
+        """The files holding a step in [first, last], in file order."""
+        inside = self.steps.filter(pl.col("step").is_between(first, last))
+        return sorted(int(i) for i in inside[FILE_INDEX].unique())
+
+    def files_of_ids(self, ids: pl.DataFrame) -> pl.DataFrame:
+        """`ids` (with a rollout_id column) with ROLLOUTS_FILE, the file holding each (rows
+        of ids no file holds are left out): the run of ids at or below it, if it reaches."""
+        return (
+            ids.drop_nulls("rollout_id")
+            .sort("rollout_id")
+            .join_asof(
+                self.id_runs.rename({FILE_INDEX: ROLLOUTS_FILE}).sort(ID_MIN),
+                left_on="rollout_id",
+                right_on=ID_MIN,
+                strategy="backward",
+            )
+            .filter(pl.col("rollout_id") <= pl.col(ID_MAX))
+            .drop(ID_MIN, ID_MAX)
+        )
+
+    def duplicate_ids(self, limit: int = 5) -> list[int]:
+        """The smallest ids in two runs (two files, or twice in one file), at most `limit`:
+        runs overlap exactly where an id is repeated."""
+        runs = self.id_runs.sort(ID_MIN, ID_MAX)
+        before = runs[ID_MAX].cum_max().shift(1)
+        overlaps = runs.with_columns(before.alias("before")).filter(
+            pl.col(ID_MIN) <= pl.col("before")
+        )
+        found: list[int] = []
+        for lo, hi, reach in overlaps.select(ID_MIN, ID_MAX, "before").iter_rows():
+            start = max(lo, found[-1] + 1) if found else lo
+            found += range(start, min(hi, reach, start + limit - len(found) - 1) + 1)
+            if len(found) >= limit:
+                break
+        return found[:limit]
+
+
+def _index_queries(run: Run, table: str, rows: pl.LazyFrame) -> dict[str, pl.LazyFrame]:
+    """What `FileIndex` holds of `table`, per FILE_INDEX of `rows` (scanned with invalid
+    flags)."""
+    if table == "probes":
+        return {PROBED: rows.group_by(FILE_INDEX, "rollout_id").agg(pl.len().cast(pl.Int64))}
+    queries = {STEPS_OF: rows.select(FILE_INDEX, "step").unique()}
+    if table == "rollouts":
+        queries[IDS_OF] = _id_runs(rows)
+        queries[CHECKS_OF] = rows.group_by(FILE_INDEX).agg(rollout_counts(run))
+    return queries
+
+
+def file_index(run: Run, table: str, store: TableStore) -> FileIndex:
+    """`table`'s `FileIndex`: cached for the files seen before, read for the new ones (one
+    pass over what it needs of them)."""
+    keys = store.file_keys(run, table)
+    names = list(_index_queries(run, table, pl.LazyFrame()))
+    index_store = store.table_frames(run, table, "index", INDEX_REVISION, names)
+    known = index_store.open(keys)
+    try:
+        frames = {n: _collect_concat(index_store.scans(n), INDEX_SCHEMAS[n]) for n in names}
+    except CACHE_ERRORS:  # a part gone or damaged since `open`: read those files again
+        known = [False] * len(keys)
+        frames = {n: pl.DataFrame(schema=INDEX_SCHEMAS[n]) for n in names}
+    frames = {n: f.rename({FILE_ID: FILE_INDEX}) for n, f in frames.items()}
+    new = [i for i, hit in enumerate(known) if not hit]
+    if new:
+        local = run.only(table, new).scan(table, file_index=True, invalid_flags=True)
+        original = pl.col(FILE_INDEX).replace_strict(dict(enumerate(new)))
+        queries = _index_queries(run, table, local)
+        try:
+            found = pl.collect_all([q.with_columns(original) for q in queries.values()])
+        except CACHE_ERRORS as exc:
+            raise scan_error(run, [table], f"reading {table}", exc) from None
+        per_file = {
+            name: {
+                k: f.drop(FILE_INDEX)
+                for (k,), f in frame.partition_by(FILE_INDEX, as_dict=True).items()
+            }
+            for name, frame in zip(queries, found, strict=True)
+        }
+        empty = {
+            name: frame.clear().drop(FILE_INDEX) for name, frame in zip(queries, found, strict=True)
+        }
+        for i in new:
+            index_store.add(keys[i], {n: per_file[n].get(i, empty[n]) for n in names})
+        index_store.commit()
+        frames = {
+            n: pl.concat([frames[n], f], how="diagonal_relaxed")
+            for n, f in zip(queries, found, strict=True)
+        }
+    return FileIndex(keys, frames)
+
+
+def checked_rollouts(run: Run, rollouts: FileIndex, probes: FileIndex | None) -> list[str]:
+    """`reader.check_rollouts` from the tables' `file_index`es: no file read again."""
+    checks = rollouts.frames[CHECKS_OF].drop(FILE_INDEX)
+    counts = {c: int(checks[c].sum()) for c in checks.columns}
+    counts |= {c: counts.get(c, 0) for c in ("no_step", "no_reward", "bad_len")}
+    unknown = (0, 0)
+    if probes is not None:
+        probed = probes.frames[PROBED]
+        known = rollouts.files_of_ids(probed.select("rollout_id").unique())
+        missing = probed.join(known, on="rollout_id", how="anti", nulls_equal=False)
+        unknown = (int(missing["len"].sum()), missing["rollout_id"].n_unique())
+    return check_rollouts(run, rollouts.duplicate_ids(), counts, unknown)
+
+
 def read_step_local(
     run: Run,
     table: str,
@@ -67,9 +192,10 @@ def read_step_local(
     *,
     store: TableStore | None = None,
     fingerprint: str = "",
+    index: FileIndex | None = None,
 ) -> tuple[dict[str, pl.DataFrame], TableRead]:
     """`frames_of(run)` (frames named `names`), from the cache where it holds the results and
-    read for the rest.
+    read for the rest (`index`: the table's `file_index`, when already read).
 
     Every result of `frames_of` is keyed by step and computed from that step's rows alone. So
     the table's files fall into groups that share no step with another group (files linked by
@@ -82,32 +208,8 @@ def read_step_local(
     n_files = len(run.tables[table].files)
     if store is None:
         return frames_of(run), TableRead(n_files, n_files)
-    keys = store.file_keys(run, table)
-    steps_store = store.table_frames(run, table, "steps", STEPS_REVISION, [STEPS_OF])
-    known = steps_store.open(keys)
-    try:
-        file_steps = _collect_concat(steps_store.scans(STEPS_OF), FILE_STEPS)
-    except CACHE_ERRORS:  # a part gone or damaged since `open`: read those files again
-        known, file_steps = [False] * n_files, pl.DataFrame(schema=FILE_STEPS)
-    file_steps = file_steps.rename({FILE_ID: FILE_INDEX})
-    new = [i for i, hit in enumerate(known) if not hit]
-    if new:
-        local = run.only(table, new).scan(table, file_index=True)
-        try:
-            steps_new = (
-                local.select(FILE_INDEX, "step")
-                .unique()
-                .with_columns(pl.col(FILE_INDEX).replace_strict(dict(enumerate(new))))
-                .collect()
-            )
-        except CACHE_ERRORS as exc:
-            raise scan_error(run, [table], f"reading {table}", exc) from None
-        for (index,), steps in steps_new.partition_by(FILE_INDEX, as_dict=True).items():
-            steps_store.add(keys[int(index)], {STEPS_OF: steps.drop(FILE_INDEX)})
-        for index in set(new) - set(steps_new[FILE_INDEX].to_list()):  # a file with no row
-            steps_store.add(keys[index], {STEPS_OF: steps_new.clear().drop(FILE_INDEX)})
-        steps_store.commit()
-        file_steps = pl.concat([file_steps, steps_new], how="diagonal_relaxed")
+    index = index or file_index(run, table, store)
+    keys, file_steps = index.keys, index.steps
     groups = _groups(n_files, file_steps)
     group_keys = [_group_key([keys[i] for i in group]) for group in groups]
     results = store.table_frames(run, table, "results", fingerprint, names)
@@ -150,12 +252,109 @@ def read_step_local(
     return merged, TableRead(n_files, len(read))
 
 
+def read_probes(
+    run: Run,
+    rows_of: Callable[[Run], pl.LazyFrame],
+    *,
+    store: TableStore | None = None,
+    fingerprint: str = "",
+    probes: FileIndex | None = None,
+    rollouts: FileIndex | None = None,
+) -> tuple[pl.DataFrame, TableRead]:
+    """`rows_of(run)` (a row per probe joined with its rollout, with the probe's FILE_INDEX),
+    from the cache where it holds a probes file's rows and read for the rest; the run's step
+    range (of the probed rollouts) applied after.
+
+    A probes file's rows depend on the file and on the rollouts its ids name. The `probes`
+    and `rollouts` tables' `file_index`es say which rollouts files hold a probes file's ids; a
+    probes file's rows are cached under its key and theirs. So rollouts appended to a live run
+    leave the probes read before untouched, and a probes file is read again only when a
+    rollouts file holding one of its ids is new or changed; then it is joined with those
+    rollouts files only."""
+    n_files = len(run.tables["probes"].files)
+    unranged = replace(run, step_range=(None, None))
+    if store is None or probes is None or rollouts is None:
+        rows = _collect_rows(run, rows_of(unranged)).drop(FILE_INDEX)
+        return rows.filter(run.in_step_range()), TableRead(n_files, n_files)
+    pairs = rollouts.files_of_ids(probes.frames[PROBED]).select(FILE_INDEX, ROLLOUTS_FILE).unique()
+    basis: dict[int, list[int]] = {i: [] for i in range(n_files)}
+    for (i,), frame in pairs.partition_by(FILE_INDEX, as_dict=True).items():
+        basis[int(i)] = sorted(frame[ROLLOUTS_FILE].to_list())
+    entry_keys = [
+        _group_key([probes.keys[i], *(f"rollouts:{rollouts.keys[r]}" for r in basis[i])])
+        for i in range(n_files)
+    ]
+    results = store.table_frames(run, "probes", "results", fingerprint, [PROBE_ROWS])
+    hits = results.open(entry_keys)
+    cached = pl.DataFrame()
+    if any(hits):
+        try:
+            cached = _collect_concat(results.scans(PROBE_ROWS), None)
+        except CACHE_ERRORS:
+            hits = [False] * n_files
+    missed = [i for i, hit in enumerate(hits) if not hit]
+    parts = [cached.drop(FILE_ID)] if cached.height else []
+    if missed:
+        needed = sorted({r for i in missed for r in basis[i]})
+        query = rows_of(unranged.only("probes", missed).only("rollouts", needed or [0]))
+        # No rollouts file may hold their ids: no row, and nothing to read.
+        computed = _collect_rows(run, query if needed else query.clear()).with_columns(
+            pl.col(FILE_INDEX).replace_strict(dict(enumerate(missed)))
+        )
+        per_file = dict(computed.partition_by(FILE_INDEX, as_dict=True, include_key=False))
+        empty = computed.clear().drop(FILE_INDEX)
+        for i in missed:
+            results.add(entry_keys[i], {PROBE_ROWS: per_file.get((i,), empty)})
+        results.commit()
+        parts.append(computed.drop(FILE_INDEX))
+    if not parts:  # every probes file cached, none with a row
+        parts.append(pl.DataFrame(schema=rows_of(unranged).drop(FILE_INDEX).collect_schema()))
+    rows = pl.concat(parts, how="diagonal_relaxed")
+    return rows.filter(run.in_step_range()), TableRead(n_files, len(missed))
+
+
 #: What reading a cache part that was damaged or removed meanwhile raises.
 CACHE_ERRORS = (OSError, pl.exceptions.PolarsError)
-#: Bumped when what is stored of a file's steps changes.
-STEPS_REVISION = "1"
-FILE_STEPS = {FILE_ID: pl.Int64, "step": pl.Int64}
+#: Bumped when what is stored of a file's steps (or ids) changes.
+INDEX_REVISION = "2"
+#: The frames of a `FileIndex` (see there), with the columns every file's has.
+IDS_OF, ID_MIN, ID_MAX = "ids_of", "id_min", "id_max"
+CHECKS_OF, PROBED = "checks_of", "probed"
+INDEX_SCHEMAS: dict[str, dict[str, Any]] = {
+    STEPS_OF: {FILE_ID: pl.Int64, "step": pl.Int64},
+    IDS_OF: {FILE_ID: pl.Int64, ID_MIN: pl.Int64, ID_MAX: pl.Int64},
+    CHECKS_OF: {FILE_ID: pl.Int64},
+    PROBED: {FILE_ID: pl.Int64, "rollout_id": pl.Int64, "len": pl.Int64},
+}
+#: A probes file's rows (cached per file), and which rollouts file holds a probed id.
+PROBE_ROWS, ROLLOUTS_FILE = "rows", "__rollouts_file__"
 GROUP = "__group__"
+
+
+def _id_runs(rows: pl.LazyFrame) -> pl.LazyFrame:
+    """Each file's rollout ids as runs of consecutive ids (FILE_INDEX, ID_MIN, ID_MAX): one
+    or a few per file for the ids trainers number in order, one per id at worst."""
+    ids = rows.select(FILE_INDEX, "rollout_id").drop_nulls().sort(FILE_INDEX, "rollout_id")
+    starts = (pl.col(FILE_INDEX) != pl.col(FILE_INDEX).shift(1)) | (
+        pl.col("rollout_id") != pl.col("rollout_id").shift(1) + 1
+    )
+    return (
+        ids.with_columns(starts.fill_null(True).cum_sum().alias(GROUP))
+        .group_by(GROUP)
+        .agg(
+            pl.col(FILE_INDEX).first(),
+            pl.col("rollout_id").min().alias(ID_MIN),
+            pl.col("rollout_id").max().alias(ID_MAX),
+        )
+        .drop(GROUP)
+    )
+
+
+def _collect_rows(run: Run, query: pl.LazyFrame) -> pl.DataFrame:
+    try:
+        return query.collect()
+    except CACHE_ERRORS as exc:
+        raise scan_error(run, ["probes", "rollouts"], "reading probes", exc) from None
 
 
 def _collect_concat(scans: list[pl.LazyFrame], schema: dict[str, Any] | None) -> pl.DataFrame:

@@ -7,9 +7,11 @@ import itertools
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pytest
 from test_metrics_text import assert_json_close
@@ -17,16 +19,20 @@ from test_metrics_text import assert_json_close
 from rlscope.analysis import analyze
 from rlscope.cache import PartialCache
 from rlscope.engine import compute
-from rlscope.reader import open_run
-from rlscope.steplocal import fingerprint
+from rlscope.errors import RlscopeError
+from rlscope.reader import check_rollouts_scan, open_run
+from rlscope.steplocal import ROLLOUTS_FILE, checked_rollouts, file_index, fingerprint
 from rlscope.synth import generate
 
 
 def _split_by_steps(run: Path, table: str, cuts: list[int]) -> None:
     """The table rewritten as one file per range of steps (cut before each step in `cuts`),
-    as a trainer flushing every few steps writes it."""
+    as a trainer flushing every few steps writes it (probes: by their rollout's step)."""
     folder = run / table
     rows = pl.read_parquet(sorted(folder.glob("*.parquet")))
+    if table == "probes":
+        steps = pl.read_parquet(sorted((run / "rollouts").glob("*.parquet")))
+        rows = rows.join(steps.select("rollout_id", "step"), on="rollout_id", how="left")
     for path in folder.glob("*.parquet"):
         path.unlink()
     bounds = [None, *cuts, None]
@@ -36,7 +42,9 @@ def _split_by_steps(run: Path, table: str, cuts: list[int]) -> None:
             part = part.filter(pl.col("step") >= lo)
         if hi is not None:
             part = part.filter(pl.col("step") < hi)
-        part.write_parquet(folder / f"part-{index:04d}.parquet")
+        part.drop("step" if table == "probes" else []).write_parquet(
+            folder / f"part-{index:04d}.parquet"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,7 @@ def grown(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("steplocal")
     whole = base / "whole"
     generate(whole, "diversity-collapse", steps=24, prompts_per_step=4, group_size=6, seed=5)
-    for table in ("rollouts", "steps"):
+    for table in ("probes", "rollouts", "steps"):
         _split_by_steps(whole, table, [5, 9, 13, 17, 21])
     return base, whole
 
@@ -58,12 +66,15 @@ def _json(report: Any) -> dict[str, Any]:
     return out
 
 
+TABLES = ("rollouts", "steps", "probes")
+
+
 def _copy_without_last(whole: Path, target: Path) -> Path:
-    """The run as it was before its last rollouts and steps files were written."""
+    """The run as it was before its last rollouts, steps and probes files were written."""
     import shutil
 
     shutil.copytree(whole, target)
-    for table in ("rollouts", "steps"):
+    for table in TABLES:
         max(sorted((target / table).glob("*.parquet"))).unlink()
     return target
 
@@ -72,13 +83,14 @@ def test_a_run_growing_by_a_file_reads_that_file_only(
     grown: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """First analysis: every file read, each file's results stored. Again: nothing read. After
-    the trainer writes one more rollouts and steps file: that file only. Every answer (every
-    metric, finding and its example rollouts) is the uncached analysis'."""
+    the trainer writes one more rollouts, steps and probes file: that file only (the probes
+    read before are not read again for the new rollouts). Every answer (every metric, finding
+    and its example rollouts) is the uncached analysis'."""
     _, whole = grown
     run = _copy_without_last(whole, tmp_path / "live")
     cache = tmp_path / "cache"
     first = analyze(run, cache_dir=cache)
-    files = {t: len(list((run / t).glob("*.parquet"))) for t in ("rollouts", "steps")}
+    files = {t: len(list((run / t).glob("*.parquet"))) for t in TABLES}
     assert first.run.table_files == {t: (n, n) for t, n in files.items()}
     assert_json_close(_json(first), _json(analyze(run, use_cache=False)))
 
@@ -86,7 +98,7 @@ def test_a_run_growing_by_a_file_reads_that_file_only(
     assert again.run.table_files == {t: (n, 0) for t, n in files.items()}
     assert_json_close(_json(again), _json(first))
 
-    for table in ("rollouts", "steps"):
+    for table in TABLES:
         last = max(sorted((whole / table).glob("*.parquet")))
         (run / table / last.name).write_bytes(last.read_bytes())
     grown_now = analyze(run, cache_dir=cache)
@@ -218,3 +230,120 @@ def test_a_cache_dir_named_like_a_pattern_is_used(grown: tuple[Path, Path], tmp_
     analyze(whole, cache_dir=cache)
     again = analyze(whole, cache_dir=cache)
     assert again.run.table_files["rollouts"][1] == 0
+
+
+def test_probes_are_read_again_only_when_rollouts_that_may_hold_their_ids_change(
+    grown: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A probes file written before the rollouts it probes: its probes match nothing, then
+    the rollouts file comes and only that probes file is read again. A rollouts file
+    rewritten: only the probes files whose ids its range holds are read again. Every answer
+    is the uncached analysis'."""
+    _, whole = grown
+    run = _copy_without_last(whole, tmp_path / "early-probes")
+    last_probes = max(sorted((whole / "probes").glob("*.parquet")))
+    (run / "probes" / last_probes.name).write_bytes(last_probes.read_bytes())
+    cache = tmp_path / "cache"
+    n = len(list((run / "probes").glob("*.parquet")))
+    first = analyze(run, cache_dir=cache)
+    assert first.run.table_files["probes"] == (n, n)
+    assert any("probes:" in w and "not in the rollouts" in w for w in first.warnings)
+    assert_json_close(_json(first), _json(analyze(run, use_cache=False)))
+
+    last_rollouts = max(sorted((whole / "rollouts").glob("*.parquet")))
+    (run / "rollouts" / last_rollouts.name).write_bytes(last_rollouts.read_bytes())
+    came = analyze(run, cache_dir=cache)
+    assert came.run.table_files["probes"] == (n, 1)
+    assert not any("probes:" in w for w in came.warnings)
+    assert_json_close(_json(came), _json(analyze(run, use_cache=False)))
+
+    first_rollouts = min(sorted((run / "rollouts").glob("*.parquet")))
+    rows = pl.read_parquet(first_rollouts)
+    rows.with_columns(pl.col("answer").reverse()).write_parquet(first_rollouts)
+    rewritten = analyze(run, cache_dir=cache)
+    assert rewritten.run.table_files["probes"] == (n, 1)
+    assert_json_close(_json(rewritten), _json(analyze(run, use_cache=False)))
+    assert analyze(run, cache_dir=cache).run.table_files["probes"] == (n, 0)
+
+
+def _ids_run(root: Path, id_files: list[list[int]], probed: list[int], seed: int) -> Path:
+    """A run whose rollouts files hold `id_files` (with some null steps and rewards, NaN and
+    absurd lengths) and one probes file probing `probed`."""
+    rng = np.random.default_rng(seed)
+    (root / "rollouts").mkdir(parents=True)
+    (root / "probes").mkdir()
+    (root / "run.json").write_text(
+        json.dumps({"schema_version": 1, "run_id": "ids", "algorithm": "GRPO"})
+    )
+    for index, ids in enumerate(id_files):
+        n = len(ids)
+        reward = rng.choice([0.0, 1.0, np.nan, None], n, p=[0.4, 0.4, 0.1, 0.1])
+        frame = pl.DataFrame(
+            {
+                "rollout_id": ids,
+                "step": [None if rng.random() < 0.1 else int(s) for s in rng.integers(0, 4, n)],
+                "prompt_id": [f"p{i % 3}" for i in range(n)],
+                "reward": [None if r is None else float(r) for r in reward],
+                "response_len": rng.choice([10, 20, -1, 10**9], n, p=[0.45, 0.45, 0.05, 0.05]),
+                "advantage": rng.choice([0.5, np.nan, np.inf], n, p=[0.8, 0.1, 0.1]),
+            },
+            schema_overrides={"rollout_id": pl.Int64, "step": pl.Int64, "response_len": pl.Int32},
+        )
+        frame.write_parquet(root / "rollouts" / f"part-{index:03d}.parquet")
+    pl.DataFrame(
+        {"rollout_id": probed, "intervention": "truncate", "answer": "a"},
+        schema_overrides={"rollout_id": pl.Int64},
+    ).write_parquet(root / "probes" / "part-000.parquet")
+    return root
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_rollouts_check_from_the_cache_is_the_scan_s(tmp_path: Path, seed: int) -> None:
+    """`checked_rollouts` (from each file's cached index: id runs, counts, probed ids) gives
+    the warnings, or the duplicate-id error with the same first ids, of `check_rollouts_scan`
+    (one pass over the tables), on ids in order, shuffled, sparse, near the Int64 limits and
+    repeated within or across files."""
+    rng = np.random.default_rng(seed)
+    shapes = [
+        lambda n: list(range(n)),
+        lambda n: rng.permutation(n * 3)[:n].tolist(),
+        lambda n: (rng.choice(2**40, n, replace=False) - 2**39).tolist(),
+        lambda n: [2**63 - 1 - i for i in range(n)] + [-(2**63) + i for i in range(n)],
+    ]
+    ids = shapes[seed % len(shapes)](40)
+    cuts = sorted(rng.choice(range(1, len(ids)), 3, replace=False).tolist())
+    id_files = [ids[a:b] for a, b in itertools.pairwise([0, *cuts, len(ids)])]
+    if seed >= 4:  # repeated ids: within one file, then across two
+        id_files[1] = [*id_files[1], id_files[1 if seed == 4 else 0][0]]
+    probed = [*rng.choice(ids, 5).tolist(), 10**15 + seed, 10**15 + seed]
+    run = open_run(_ids_run(tmp_path / "run", id_files, probed, seed), check_rollouts=False)
+    cache = PartialCache(tmp_path / "cache")
+    index = {t: file_index(run, t, cache) for t in ("rollouts", "probes")}
+
+    def outcome(check: Callable[[], list[str]]) -> Any:
+        try:
+            return check()
+        except RlscopeError as exc:
+            return exc.message
+
+    scanned = outcome(lambda: check_rollouts_scan(run))
+    assert outcome(lambda: checked_rollouts(run, index["rollouts"], index["probes"])) == scanned
+    assert ("duplicate rollout_id" in str(scanned)) == (seed >= 4)
+    if seed < 4:
+        assert any("probes: 2 row(s) reference 1 rollout_id" in w for w in scanned)
+    again = {t: file_index(run, t, cache) for t in ("rollouts", "probes")}  # from the cache
+    assert outcome(lambda: checked_rollouts(run, again["rollouts"], again["probes"])) == scanned
+
+
+def test_files_of_ids_finds_the_file_of_every_id(tmp_path: Path) -> None:
+    """Each id's file from the runs of ids (ids interleaved across files, gaps, negative):
+    the file that holds it, and no row for an id no file holds."""
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(np.arange(-50, 150))[:120]
+    id_files = [ids[i::3].tolist() for i in range(3)]
+    run = open_run(_ids_run(tmp_path / "run", id_files, [0], 0), check_rollouts=False)
+    index = file_index(run, "rollouts", PartialCache(tmp_path / "cache"))
+    where = {i: f for f, part in enumerate(id_files) for i in part}
+    asked = pl.DataFrame({"rollout_id": list(range(-60, 160))})
+    found = index.files_of_ids(asked)
+    assert dict(found.select("rollout_id", ROLLOUTS_FILE).iter_rows()) == where
