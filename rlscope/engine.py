@@ -135,7 +135,8 @@ def aggregate_query(
     """One scan of `table` (steps, rollouts or probes; tokens go through `tokenscan`),
     aggregated to `level` with every requested partial, plus the number of NaN/inf values of
     each `count_invalid` column (partials named `__invalid__<column>`) and the row count
-    (`__rows__`) when given (the steps table).
+    (`__rows__`) when given (the steps table); rollouts only of `steps` (first, last) when
+    given.
 
     Two levels are not aggregations: rollouts' "rollout" level (one row per rollout: the
     partials are elementwise features, e.g. of the text, which is dropped once they are
@@ -156,7 +157,10 @@ def aggregate_query(
     exprs += [pl.col(f).cast(pl.Int64).sum().alias(f) for f in flags]
     if table == "rollouts":
         # What is left out is counted in the reader's warnings.
-        return lf.filter(valid_rollout()).group_by(GROUP_KEYS).agg(exprs)
+        lf = lf.filter(valid_rollout())
+        if steps is not None:
+            lf = lf.filter(pl.col("step").is_between(*steps))
+        return lf.group_by(GROUP_KEYS).agg(exprs)
     if count_invalid is not None:
         exprs.append(pl.len().alias(ROWS))  # for the count of rows with a null step
     return lf.group_by("step").agg(exprs)
@@ -522,16 +526,8 @@ class RolloutLevel:
         rollouts: a range's rows are computed, every per-rollout series (all are per step) is
         run on them, and they are dropped, so the memory is one range's whatever the number
         of responses."""
-        counts = _collect(
-            [run.scan("rollouts").filter(valid_rollout()).group_by("step").len().sort("step")],
-            "reading rollouts",
-            run,
-            ["rollouts"],
-        )[0]
         parts: dict[str, list[pl.DataFrame]] = {i: [] for i in self.series}
-        for lo, hi in _step_ranges(
-            counts["step"].to_list(), counts["len"].to_list(), ROLLOUT_CHUNK
-        ):
+        for lo, hi in rollout_ranges(run):
             rows = self._rows(run, (lo, hi), self.partials)
             done = _collect(
                 [v.series(rows.lazy(), ctx) for v in self.series.values()], "computing metrics"
@@ -598,10 +594,21 @@ def _reader_for(
 
     def frames_of(part: Run) -> dict[str, pl.DataFrame]:
         out = {}
-        if variants:
-            query = aggregate_query(
-                part, table, "", partials, counted if table == "steps" else None, prelude
-            )
+        if variants and table == "rollouts":
+            # Range by range: per-group extremes (sort_by) keep a query off the streaming engine.
+            ranges: list[tuple[int, int] | None] = [*rollout_ranges(part)] or [None]
+            levels = [
+                _collect(
+                    [aggregate_query(part, table, "", partials, steps=steps)],
+                    f"reading {table}",
+                    part,
+                    [table],
+                )[0]
+                for steps in ranges
+            ]
+            out["level"] = pl.concat(levels, how="diagonal_relaxed")
+        elif variants:
+            query = aggregate_query(part, table, "", partials, counted, prelude)
             out["level"] = _collect([query], f"reading {table}", part, [table])[0]
         if series and rollout_level is not None:
             for metric_id, frame in rollout_level.frames(part, ctx).items():
@@ -630,6 +637,19 @@ def _train_steps(run: Run, groups: pl.DataFrame | None) -> pl.DataFrame:
         .len()
     )
     return _collect([query], "reading rollouts", run, ["rollouts"])[0]
+
+
+def rollout_ranges(run: Run) -> list[tuple[int, int]]:
+    """Consecutive ranges of whole steps of at most ROLLOUT_CHUNK valid rollouts each (a step
+    with more is a range of its own): what the rollouts' per-rollout and per-group levels are
+    computed in, one range at a time, so their memory is a range's whatever the run's size."""
+    counts = _collect(
+        [run.scan("rollouts").filter(valid_rollout()).group_by("step").len().sort("step")],
+        "reading rollouts",
+        run,
+        ["rollouts"],
+    )[0]
+    return _step_ranges(counts["step"].to_list(), counts["len"].to_list(), ROLLOUT_CHUNK)
 
 
 def _step_ranges(steps: list[int], counts: list[int], limit: int) -> list[tuple[int, int]]:

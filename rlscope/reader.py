@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,8 @@ class TableFiles:
     file_hive: tuple[dict[str, str], ...] = ()
     # Per file, (size, mtime_ns, inode) when the run was opened: the snapshot that is read.
     file_stats: tuple[tuple[int, int, int], ...] = ()
+    # Per file, its rows (from the footer).
+    file_rows: tuple[int, ...] = ()
 
     @property
     def columns(self) -> set[str]:
@@ -213,6 +215,7 @@ class Run:
             file_schemas=tuple(files.file_schemas[i] for i in keep),
             file_hive=tuple(files.file_hive[i] for i in keep) if files.file_hive else (),
             file_stats=tuple(files.file_stats[i] for i in keep) if files.file_stats else (),
+            file_rows=tuple(files.file_rows[i] for i in keep) if files.file_rows else (),
         )
         return replace(self, tables={**self.tables, table: subset}, step_range=(None, None))
 
@@ -522,6 +525,7 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
     file_schemas: list[dict[str, pl.DataType]] = []
     file_hive: list[dict[str, str]] = []
     file_stats: list[tuple[int, int, int]] = []
+    file_rows: list[int] = []
     # A run's files mostly share one schema: converted and type-checked once (the first file
     # with a bad type is the one named).
     checked: dict[pa.Schema, dict[str, pl.DataType]] = {}
@@ -535,6 +539,7 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
             ) from None
         footer = _footer(path, file_stats[-1][0])
         n_rows += footer.num_rows
+        file_rows.append(footer.num_rows)
         arrow = footer.schema.to_arrow_schema()
         schema = checked.get(arrow)
         if schema is None:
@@ -602,6 +607,7 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
         n_rows,
         tuple(file_hive),
         tuple(file_stats),
+        tuple(file_rows),
     )
 
 
@@ -668,27 +674,146 @@ def rollout_counts(run: Run) -> list[pl.Expr]:
     ]
 
 
-def check_rollouts_scan(run: Run) -> list[str]:
-    """`check_rollouts` from one pass over the rollouts (and probes) tables."""
-    unranged = replace(run, step_range=(None, None))
-    raw = unranged.scan("rollouts", invalid_flags=True)
-    dupes_query = (
-        raw.group_by("rollout_id").len().filter(pl.col("len") > 1).sort("rollout_id").head(5)
-    )
-    queries = [dupes_query, raw.select(rollout_counts(run))]
-    if "probes" in run.tables:
-        ids = raw.select("rollout_id").unique()
-        queries.append(
-            unranged.scan("probes")
-            .join(ids, on="rollout_id", how="anti")
-            .select(pl.len().alias("rows"), pl.col("rollout_id").n_unique().alias("ids"))
+#: The frames of a table's index (`read_index`), each with a FILE_INDEX column: steps and
+#: rollouts, each file's steps; rollouts, its ids as runs of consecutive ids (ID_MIN, ID_MAX)
+#: and the check's counts (`rollout_counts`); probes, the rows per probed rollout_id.
+STEPS_OF, IDS_OF, CHECKS_OF, PROBED = "steps_of", "ids_of", "checks_of", "probed"
+ID_MIN, ID_MAX = "id_min", "id_max"
+#: Which rollouts file holds an id (`files_of_ids`).
+ROLLOUTS_FILE = "__rollouts_file__"
+#: The columns every index frame has (with FILE_INDEX), even with no file.
+INDEX_COLUMNS: dict[str, dict[str, pl.DataType]] = {
+    STEPS_OF: {"step": pl.Int64()},
+    IDS_OF: {ID_MIN: pl.Int64(), ID_MAX: pl.Int64()},
+    CHECKS_OF: {},
+    PROBED: {"rollout_id": pl.Int64(), "len": pl.Int64()},
+}
+#: Rows read at once for an index: its sorts and hashes are those of this many rows.
+INDEX_BATCH_ROWS = 250_000
+
+
+def index_queries(run: Run, table: str, rows: pl.LazyFrame) -> dict[str, pl.LazyFrame]:
+    """What a table's index holds, per FILE_INDEX of `rows` (scanned with invalid flags)."""
+    if table == "probes":
+        return {PROBED: rows.group_by(FILE_INDEX, "rollout_id").agg(pl.len().cast(pl.Int64))}
+    queries = {STEPS_OF: rows.select(FILE_INDEX, "step").unique()}
+    if table == "rollouts":
+        ids = rows.select(FILE_INDEX, "rollout_id").drop_nulls().sort(FILE_INDEX, "rollout_id")
+        starts = (pl.col(FILE_INDEX) != pl.col(FILE_INDEX).shift(1)) | (
+            pl.col("rollout_id") != pl.col("rollout_id").shift(1) + 1
         )
-    try:
-        dupes, counts, *probes = pl.collect_all(queries)
-    except (pl.exceptions.PolarsError, OSError) as exc:
-        raise scan_error(run, ["rollouts", "probes"], "checking rollout ids", exc) from None
-    unknown = (int(probes[0]["rows"][0]), int(probes[0]["ids"][0])) if probes else (0, 0)
-    return check_rollouts(run, dupes["rollout_id"].to_list(), counts.row(0, named=True), unknown)
+        queries[IDS_OF] = (
+            ids.with_columns(starts.fill_null(True).cum_sum().alias("__run__"))
+            .group_by("__run__")
+            .agg(
+                pl.col(FILE_INDEX).first(),
+                pl.col("rollout_id").min().alias(ID_MIN),
+                pl.col("rollout_id").max().alias(ID_MAX),
+            )
+            .drop("__run__")
+        )
+        queries[CHECKS_OF] = rows.group_by(FILE_INDEX).agg(rollout_counts(run))
+    return queries
+
+
+def index_names(table: str) -> list[str]:
+    """The frames of `table`'s index."""
+    if table == "probes":
+        return [PROBED]
+    return [STEPS_OF, IDS_OF, CHECKS_OF] if table == "rollouts" else [STEPS_OF]
+
+
+def read_index(run: Run, table: str, files: Sequence[int]) -> dict[str, pl.DataFrame]:
+    """The index frames of `table`'s `files` (FILE_INDEX: the index in the table's files),
+    read in batches of consecutive files of at most INDEX_BATCH_ROWS rows (a larger file
+    alone), so the memory is a batch's whatever the table's size."""
+    rows = run.tables[table].file_rows
+    batches: list[list[int]] = []
+    total = 0
+    for i in files:
+        if not batches or total + rows[i] > INDEX_BATCH_ROWS:
+            batches.append([])
+            total = 0
+        batches[-1].append(i)
+        total += rows[i]
+    parts: dict[str, list[pl.DataFrame]] = {name: [] for name in index_names(table)}
+    for batch in batches:
+        local = run.only(table, batch).scan(table, file_index=True, invalid_flags=True)
+        original = pl.col(FILE_INDEX).replace_strict(dict(enumerate(batch)), return_dtype=pl.Int64)
+        queries = index_queries(run, table, local)
+        try:
+            found = pl.collect_all([q.with_columns(original) for q in queries.values()])
+        except (pl.exceptions.PolarsError, OSError) as exc:
+            raise scan_error(run, [table], f"reading {table}", exc) from None
+        for name, frame in zip(queries, found, strict=True):
+            parts[name].append(frame)
+    return {
+        name: pl.concat(
+            [pl.DataFrame(schema={FILE_INDEX: pl.Int64, **INDEX_COLUMNS[name]}), *frames],
+            how="diagonal_relaxed",
+        )
+        for name, frames in parts.items()
+    }
+
+
+def files_of_ids(id_runs: pl.DataFrame, ids: pl.DataFrame) -> pl.DataFrame:
+    """`ids` (with a rollout_id column) with ROLLOUTS_FILE, the file holding each, from the
+    rollouts' `id_runs` (rows of ids no file holds are left out): the run of ids at or below
+    the id, if it reaches it."""
+    return (
+        ids.drop_nulls("rollout_id")
+        .sort("rollout_id")
+        .join_asof(
+            id_runs.select(pl.col(FILE_INDEX).alias(ROLLOUTS_FILE), ID_MIN, ID_MAX).sort(ID_MIN),
+            left_on="rollout_id",
+            right_on=ID_MIN,
+            strategy="backward",
+        )
+        .filter(pl.col("rollout_id") <= pl.col(ID_MAX))
+        .drop(ID_MIN, ID_MAX)
+    )
+
+
+def duplicate_ids(id_runs: pl.DataFrame, limit: int = 5) -> list[int]:
+    """The smallest ids in two runs of `id_runs` (two files, or twice in one file), at most
+    `limit`: runs of consecutive ids overlap exactly where an id is repeated."""
+    runs = id_runs.sort(ID_MIN, ID_MAX)
+    reach = runs[ID_MAX].cum_max().shift(1).alias("reach")
+    overlaps = runs.with_columns(reach).filter(pl.col(ID_MIN) <= pl.col("reach"))
+    found: list[int] = []
+    for lo, hi, before in overlaps.select(ID_MIN, ID_MAX, "reach").iter_rows():
+        start = max(lo, found[-1] + 1) if found else lo
+        found += range(start, min(hi, before, start + limit - len(found) - 1) + 1)
+        if len(found) >= limit:
+            break
+    return found[:limit]
+
+
+def check_from_index(
+    run: Run, rollouts: Mapping[str, pl.DataFrame], probes: Mapping[str, pl.DataFrame] | None
+) -> list[str]:
+    """`check_rollouts` from the rollouts' (and probes') index frames (`read_index`)."""
+    checks = rollouts[CHECKS_OF].drop(FILE_INDEX)
+    counts: dict[str, int | None] = {c: int(checks[c].sum()) for c in checks.columns}
+    counts |= {c: counts.get(c, 0) for c in ("no_step", "no_reward", "bad_len")}
+    unknown = (0, 0)
+    if probes is not None:
+        probed = probes[PROBED]
+        known = files_of_ids(rollouts[IDS_OF], probed.select("rollout_id").unique())
+        missing = probed.join(known, on="rollout_id", how="anti", nulls_equal=False)
+        unknown = (int(missing["len"].sum()), missing["rollout_id"].n_unique())
+    return check_rollouts(run, duplicate_ids(rollouts[IDS_OF]), counts, unknown)
+
+
+def check_rollouts_scan(run: Run) -> list[str]:
+    """`check_rollouts` from the rollouts (and probes) files read now, batch by batch."""
+    unranged = replace(run, step_range=(None, None))
+    index = {
+        table: read_index(unranged, table, range(len(run.tables[table].files)))
+        for table in ("rollouts", "probes")
+        if table in run.tables
+    }
+    return check_from_index(run, index["rollouts"], index.get("probes"))
 
 
 def check_rollouts(

@@ -14,12 +14,21 @@ from typing import Any, Protocol, runtime_checkable
 import polars as pl
 
 from rlscope._version import __version__
-from rlscope.reader import FILE_INDEX, Run, check_rollouts, rollout_counts, scan_error
+from rlscope.reader import (
+    FILE_INDEX,
+    IDS_OF,
+    INDEX_COLUMNS,
+    PROBED,
+    ROLLOUTS_FILE,
+    STEPS_OF,
+    Run,
+    check_from_index,
+    files_of_ids,
+    index_names,
+    read_index,
+    scan_error,
+)
 from rlscope.tokenscan import FILE_ID
-
-#: The (file, step) pairs of a file, stored with its results: what says whether a step spans
-#: two files.
-STEPS_OF = "steps_of"
 
 
 class FrameStore(Protocol):
@@ -61,127 +70,56 @@ FramesOf = Callable[[Run], dict[str, pl.DataFrame]]
 
 @dataclass(frozen=True)
 class FileIndex:
-    """What is known of each file of a table without reading it again, read once per file and
-    then kept in the cache: its key, and frames with a FILE_INDEX column: steps and rollouts,
-    the file's steps (STEPS_OF); rollouts, its runs of consecutive ids (IDS_OF: ID_MIN, ID_MAX)
-    and the rollouts check's counts (CHECKS_OF: `reader.rollout_counts`); probes, the rows per
-    probed rollout_id (PROBED: rollout_id, len)."""
+    """What is known of each file of a table without reading it again (`reader.read_index`:
+    steps; rollout id runs and check counts; probed ids), read once per file and then kept
+    in the cache, and each file's cache key."""
 
     keys: list[str]
     frames: dict[str, pl.DataFrame]
 
-    @property
-    def steps(self) -> pl.DataFrame:
-        return self.frames[STEPS_OF]
-
-    @property
-    def id_runs(self) -> pl.DataFrame:
-        return self.frames[IDS_OF]
-
     def files_with_steps(self, first: int, last: int) -> list[int]:
         """The files holding a step in [first, last], in file order."""
-        inside = self.steps.filter(pl.col("step").is_between(first, last))
+        inside = self.frames[STEPS_OF].filter(pl.col("step").is_between(first, last))
         return sorted(int(i) for i in inside[FILE_INDEX].unique())
 
     def files_of_ids(self, ids: pl.DataFrame) -> pl.DataFrame:
-        """`ids` (with a rollout_id column) with ROLLOUTS_FILE, the file holding each (rows
-        of ids no file holds are left out): the run of ids at or below it, if it reaches."""
-        return (
-            ids.drop_nulls("rollout_id")
-            .sort("rollout_id")
-            .join_asof(
-                self.id_runs.rename({FILE_INDEX: ROLLOUTS_FILE}).sort(ID_MIN),
-                left_on="rollout_id",
-                right_on=ID_MIN,
-                strategy="backward",
-            )
-            .filter(pl.col("rollout_id") <= pl.col(ID_MAX))
-            .drop(ID_MIN, ID_MAX)
-        )
-
-    def duplicate_ids(self, limit: int = 5) -> list[int]:
-        """The smallest ids in two runs (two files, or twice in one file), at most `limit`:
-        runs overlap exactly where an id is repeated."""
-        runs = self.id_runs.sort(ID_MIN, ID_MAX)
-        before = runs[ID_MAX].cum_max().shift(1)
-        overlaps = runs.with_columns(before.alias("before")).filter(
-            pl.col(ID_MIN) <= pl.col("before")
-        )
-        found: list[int] = []
-        for lo, hi, reach in overlaps.select(ID_MIN, ID_MAX, "before").iter_rows():
-            start = max(lo, found[-1] + 1) if found else lo
-            found += range(start, min(hi, reach, start + limit - len(found) - 1) + 1)
-            if len(found) >= limit:
-                break
-        return found[:limit]
-
-
-def _index_queries(run: Run, table: str, rows: pl.LazyFrame) -> dict[str, pl.LazyFrame]:
-    """What `FileIndex` holds of `table`, per FILE_INDEX of `rows` (scanned with invalid
-    flags)."""
-    if table == "probes":
-        return {PROBED: rows.group_by(FILE_INDEX, "rollout_id").agg(pl.len().cast(pl.Int64))}
-    queries = {STEPS_OF: rows.select(FILE_INDEX, "step").unique()}
-    if table == "rollouts":
-        queries[IDS_OF] = _id_runs(rows)
-        queries[CHECKS_OF] = rows.group_by(FILE_INDEX).agg(rollout_counts(run))
-    return queries
+        """`ids` with ROLLOUTS_FILE, the rollouts file holding each (see `reader.files_of_ids`)."""
+        return files_of_ids(self.frames[IDS_OF], ids)
 
 
 def file_index(run: Run, table: str, store: TableStore) -> FileIndex:
-    """`table`'s `FileIndex`: cached for the files seen before, read for the new ones (one
-    pass over what it needs of them)."""
+    """`table`'s `FileIndex`: cached for the files seen before, read for the new ones."""
     keys = store.file_keys(run, table)
-    names = list(_index_queries(run, table, pl.LazyFrame()))
+    names = index_names(table)
     index_store = store.table_frames(run, table, "index", INDEX_REVISION, names)
     known = index_store.open(keys)
     try:
-        frames = {n: _collect_concat(index_store.scans(n), INDEX_SCHEMAS[n]) for n in names}
+        frames = {
+            n: _collect_concat(index_store.scans(n), {FILE_ID: pl.Int64, **INDEX_COLUMNS[n]})
+            for n in names
+        }
     except CACHE_ERRORS:  # a part gone or damaged since `open`: read those files again
         known = [False] * len(keys)
-        frames = {n: pl.DataFrame(schema=INDEX_SCHEMAS[n]) for n in names}
+        frames = {n: pl.DataFrame(schema={FILE_ID: pl.Int64, **INDEX_COLUMNS[n]}) for n in names}
     frames = {n: f.rename({FILE_ID: FILE_INDEX}) for n, f in frames.items()}
     new = [i for i, hit in enumerate(known) if not hit]
     if new:
-        local = run.only(table, new).scan(table, file_index=True, invalid_flags=True)
-        original = pl.col(FILE_INDEX).replace_strict(dict(enumerate(new)))
-        queries = _index_queries(run, table, local)
-        try:
-            found = pl.collect_all([q.with_columns(original) for q in queries.values()])
-        except CACHE_ERRORS as exc:
-            raise scan_error(run, [table], f"reading {table}", exc) from None
+        found = read_index(run, table, new)
         per_file = {
-            name: {
-                k: f.drop(FILE_INDEX)
-                for (k,), f in frame.partition_by(FILE_INDEX, as_dict=True).items()
-            }
-            for name, frame in zip(queries, found, strict=True)
+            name: dict(frame.partition_by(FILE_INDEX, as_dict=True, include_key=False))
+            for name, frame in found.items()
         }
-        empty = {
-            name: frame.clear().drop(FILE_INDEX) for name, frame in zip(queries, found, strict=True)
-        }
+        empty = {name: frame.clear().drop(FILE_INDEX) for name, frame in found.items()}
         for i in new:
-            index_store.add(keys[i], {n: per_file[n].get(i, empty[n]) for n in names})
+            index_store.add(keys[i], {n: per_file[n].get((i,), empty[n]) for n in names})
         index_store.commit()
-        frames = {
-            n: pl.concat([frames[n], f], how="diagonal_relaxed")
-            for n, f in zip(queries, found, strict=True)
-        }
+        frames = {n: pl.concat([frames[n], found[n]], how="diagonal_relaxed") for n in names}
     return FileIndex(keys, frames)
 
 
 def checked_rollouts(run: Run, rollouts: FileIndex, probes: FileIndex | None) -> list[str]:
     """`reader.check_rollouts` from the tables' `file_index`es: no file read again."""
-    checks = rollouts.frames[CHECKS_OF].drop(FILE_INDEX)
-    counts = {c: int(checks[c].sum()) for c in checks.columns}
-    counts |= {c: counts.get(c, 0) for c in ("no_step", "no_reward", "bad_len")}
-    unknown = (0, 0)
-    if probes is not None:
-        probed = probes.frames[PROBED]
-        known = rollouts.files_of_ids(probed.select("rollout_id").unique())
-        missing = probed.join(known, on="rollout_id", how="anti", nulls_equal=False)
-        unknown = (int(missing["len"].sum()), missing["rollout_id"].n_unique())
-    return check_rollouts(run, rollouts.duplicate_ids(), counts, unknown)
+    return check_from_index(run, rollouts.frames, probes.frames if probes else None)
 
 
 def read_step_local(
@@ -209,7 +147,7 @@ def read_step_local(
     if store is None:
         return frames_of(run), TableRead(n_files, n_files)
     index = index or file_index(run, table, store)
-    keys, file_steps = index.keys, index.steps
+    keys, file_steps = index.keys, index.frames[STEPS_OF]
     groups = _groups(n_files, file_steps)
     group_keys = [_group_key([keys[i] for i in group]) for group in groups]
     results = store.table_frames(run, table, "results", fingerprint, names)
@@ -317,37 +255,9 @@ def read_probes(
 CACHE_ERRORS = (OSError, pl.exceptions.PolarsError)
 #: Bumped when what is stored of a file's steps (or ids) changes.
 INDEX_REVISION = "2"
-#: The frames of a `FileIndex` (see there), with the columns every file's has.
-IDS_OF, ID_MIN, ID_MAX = "ids_of", "id_min", "id_max"
-CHECKS_OF, PROBED = "checks_of", "probed"
-INDEX_SCHEMAS: dict[str, dict[str, Any]] = {
-    STEPS_OF: {FILE_ID: pl.Int64, "step": pl.Int64},
-    IDS_OF: {FILE_ID: pl.Int64, ID_MIN: pl.Int64, ID_MAX: pl.Int64},
-    CHECKS_OF: {FILE_ID: pl.Int64},
-    PROBED: {FILE_ID: pl.Int64, "rollout_id": pl.Int64, "len": pl.Int64},
-}
-#: A probes file's rows (cached per file), and which rollouts file holds a probed id.
-PROBE_ROWS, ROLLOUTS_FILE = "rows", "__rollouts_file__"
+#: A probes file's rows (cached per file).
+PROBE_ROWS = "rows"
 GROUP = "__group__"
-
-
-def _id_runs(rows: pl.LazyFrame) -> pl.LazyFrame:
-    """Each file's rollout ids as runs of consecutive ids (FILE_INDEX, ID_MIN, ID_MAX): one
-    or a few per file for the ids trainers number in order, one per id at worst."""
-    ids = rows.select(FILE_INDEX, "rollout_id").drop_nulls().sort(FILE_INDEX, "rollout_id")
-    starts = (pl.col(FILE_INDEX) != pl.col(FILE_INDEX).shift(1)) | (
-        pl.col("rollout_id") != pl.col("rollout_id").shift(1) + 1
-    )
-    return (
-        ids.with_columns(starts.fill_null(True).cum_sum().alias(GROUP))
-        .group_by(GROUP)
-        .agg(
-            pl.col(FILE_INDEX).first(),
-            pl.col("rollout_id").min().alias(ID_MIN),
-            pl.col("rollout_id").max().alias(ID_MAX),
-        )
-        .drop(GROUP)
-    )
 
 
 def _collect_rows(run: Run, query: pl.LazyFrame) -> pl.DataFrame:

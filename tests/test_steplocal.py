@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import polars as pl
@@ -20,8 +23,15 @@ from rlscope.analysis import analyze
 from rlscope.cache import PartialCache
 from rlscope.engine import compute
 from rlscope.errors import RlscopeError
-from rlscope.reader import check_rollouts_scan, open_run
-from rlscope.steplocal import ROLLOUTS_FILE, checked_rollouts, file_index, fingerprint
+from rlscope.reader import (
+    INVALID_PREFIX,
+    MAX_RESPONSE_LEN,
+    ROLLOUTS_FILE,
+    check_rollouts,
+    check_rollouts_scan,
+    open_run,
+)
+from rlscope.steplocal import checked_rollouts, file_index, fingerprint
 from rlscope.synth import generate
 
 
@@ -297,12 +307,40 @@ def _ids_run(root: Path, id_files: list[list[int]], probed: list[int], seed: int
     return root
 
 
+def _expected_check(root: Path) -> list[str] | str:
+    """The rollouts check of the run at `root` computed directly, in plain Python over all
+    its rows: the duplicate-id error, or the warnings."""
+    rows = pl.read_parquet(sorted((root / "rollouts").glob("*.parquet"))).to_dicts()
+    probed = pl.read_parquet(root / "probes" / "part-000.parquet")["rollout_id"].to_list()
+    seen = Counter(r["rollout_id"] for r in rows)
+    dupes = sorted(i for i, n in seen.items() if n > 1)[:5]
+    if dupes:
+        listed = ", ".join(map(str, dupes))
+        return f"{root}: rollouts table has duplicate rollout_id values (e.g. {listed})"
+
+    def finite(x: float | None) -> bool:
+        return x is not None and math.isfinite(x)
+
+    stepped = [r for r in rows if r["step"] is not None]
+    rewarded = [r for r in stepped if finite(r["reward"])]
+    absurd = [r for r in rewarded if not 0 <= r["response_len"] <= MAX_RESPONSE_LEN]
+    invalid = sum(r["advantage"] is not None and not math.isfinite(r["advantage"]) for r in rows)
+    unknown = [i for i in probed if i not in seen]
+    counts = {
+        "no_step": len(rows) - len(stepped),
+        "no_reward": len(stepped) - len(rewarded),
+        "bad_len": len(absurd),
+        INVALID_PREFIX + "advantage": invalid,
+    }
+    return check_rollouts(open_run(root), [], counts, (len(unknown), len(set(unknown))))
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_the_rollouts_check_from_the_cache_is_the_scan_s(tmp_path: Path, seed: int) -> None:
-    """`checked_rollouts` (from each file's cached index: id runs, counts, probed ids) gives
-    the warnings, or the duplicate-id error with the same first ids, of `check_rollouts_scan`
-    (one pass over the tables), on ids in order, shuffled, sparse, near the Int64 limits and
-    repeated within or across files."""
+def test_the_rollouts_check_from_each_file_s_index(tmp_path: Path, seed: int) -> None:
+    """The rollouts check from each file's index (id runs, counts, probed ids), read now or
+    from the cache, gives the warnings, or the duplicate-id error with the same first ids, of
+    a direct computation over all rows: on ids in order, shuffled, sparse, near the Int64
+    limits and repeated within or across files, in files read in one batch or several."""
     rng = np.random.default_rng(seed)
     shapes = [
         lambda n: list(range(n)),
@@ -316,23 +354,26 @@ def test_the_rollouts_check_from_the_cache_is_the_scan_s(tmp_path: Path, seed: i
     if seed >= 4:  # repeated ids: within one file, then across two
         id_files[1] = [*id_files[1], id_files[1 if seed == 4 else 0][0]]
     probed = [*rng.choice(ids, 5).tolist(), 10**15 + seed, 10**15 + seed]
-    run = open_run(_ids_run(tmp_path / "run", id_files, probed, seed), check_rollouts=False)
+    root = _ids_run(tmp_path / "run", id_files, probed, seed)
+    expected = _expected_check(root)
+    assert ("duplicate rollout_id" in str(expected)) == (seed >= 4)
+    if seed < 4:
+        assert any("probes: 2 row(s) reference 1 rollout_id" in w for w in expected)
+    run = open_run(root, check_rollouts=False)
     cache = PartialCache(tmp_path / "cache")
-    index = {t: file_index(run, t, cache) for t in ("rollouts", "probes")}
 
-    def outcome(check: Callable[[], list[str]]) -> Any:
+    def outcome(check: Callable[..., list[str]], *args: Any) -> list[str] | str:
         try:
-            return check()
+            return check(*args)
         except RlscopeError as exc:
             return exc.message
 
-    scanned = outcome(lambda: check_rollouts_scan(run))
-    assert outcome(lambda: checked_rollouts(run, index["rollouts"], index["probes"])) == scanned
-    assert ("duplicate rollout_id" in str(scanned)) == (seed >= 4)
-    if seed < 4:
-        assert any("probes: 2 row(s) reference 1 rollout_id" in w for w in scanned)
-    again = {t: file_index(run, t, cache) for t in ("rollouts", "probes")}  # from the cache
-    assert outcome(lambda: checked_rollouts(run, again["rollouts"], again["probes"])) == scanned
+    with mock.patch("rlscope.reader.INDEX_BATCH_ROWS", 1 + seed * 7):  # files per batch
+        assert outcome(check_rollouts_scan, run) == expected
+        for _ in range(2):  # the index read, then from the cache
+            index = {t: file_index(run, t, cache) for t in ("rollouts", "probes")}
+            found = outcome(checked_rollouts, run, index["rollouts"], index["probes"])
+            assert found == expected
 
 
 def test_files_of_ids_finds_the_file_of_every_id(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -138,14 +137,19 @@ def _cluster_histogram(frame: pl.DataFrame, ctx: MetricContext) -> dict[str, Any
     frame = frame.sort("step")
     tail = frame.tail(window_size(frame.height))
 
-    def histogram(part: pl.DataFrame) -> dict[str, int]:
-        counts = Counter(int(s) for sizes in part["sizes"].to_list() for s in sizes)
-        return {str(size): counts[size] for size in sorted(counts)}
+    def counts(column: pl.Series) -> pl.DataFrame:
+        """How often each value of a list column occurs, by value."""
+        values = column.explode(empty_as_null=False).drop_nulls().cast(pl.Int64)
+        return values.value_counts(name="n").sort(values.name)
 
-    sizes = Counter(int(n) for ns in frame["group_sizes"].to_list() for n in ns)
+    def histogram(part: pl.DataFrame) -> dict[str, int]:
+        return {str(size): int(n) for size, n in counts(part["sizes"]).iter_rows()}
+
+    sizes = counts(frame["group_sizes"])
+    modal = sizes.sort("n", "group_sizes", descending=True)  # the larger size on a tie
     return {
         "cluster_sizes": {"run": histogram(frame), "final_window": histogram(tail)},
-        "group_size": int(max(sizes, key=lambda n: (sizes[n], n))) if sizes else None,
+        "group_size": int(modal["group_sizes"][0]) if modal.height else None,
     }
 
 
