@@ -12,6 +12,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -119,17 +120,36 @@ def ensure_run(tokens: int, cache: Path = CACHE) -> Path:
     return path
 
 
+#: Runs a command and writes its wall seconds and peak RSS (KiB) to argv[1]. Linux counts in a
+#: child's peak RSS its parent's resident memory at fork (the copied address space's high-water
+#: mark survives exec): forked from this small process, the child's own peak is what is read,
+#: whatever the benchmark process holds.
+LAUNCHER = """
+import os, sys, time
+start = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as out:
+    out.write(f"{time.perf_counter() - start} {usage.ru_maxrss}")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def timed(
     cmd: list[str], env: dict[str, str] | None = None, stdout: Path | None = None
 ) -> tuple[float, float]:
     """Wall seconds and peak RSS (GiB) of one child process (its output to `stdout` if given)."""
-    t0 = time.perf_counter()
-    with open(stdout or os.devnull, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise SystemExit(f"{cmd} failed with status {status}")
-    return time.perf_counter() - t0, usage.ru_maxrss / 2**20
+    with tempfile.TemporaryDirectory() as folder:
+        measured = Path(folder) / "measured"
+        with open(stdout or os.devnull, "wb") as out:
+            launched = [sys.executable, "-c", LAUNCHER, str(measured), *cmd]
+            status = subprocess.run(launched, stdout=out, env=env).returncode
+        if status != 0:
+            raise SystemExit(f"{cmd} failed with status {status}")
+        seconds, rss = measured.read_text().split()
+    return float(seconds), int(rss) / 2**20
 
 
 def median(cmd: list[str], repeat: int, env: dict[str, str] | None = None) -> tuple[float, float]:
@@ -301,7 +321,9 @@ def write_results(
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "
         f"Python {platform.python_version()}, polars {_version('polars')}, "
         f"pyarrow {_version('pyarrow')}, DuckDB {_version('duckdb')}. Median of {args.repeat} "
-        "runs, each a fresh process (peak RSS: the largest of them). Healthy synthetic runs "
+        "runs, each a fresh process (peak RSS: the largest of them, each the process's own: "
+        "it is forked from a small launcher, as Linux counts the forking process's memory in "
+        "a child's peak). Healthy synthetic runs "
         f"from `rlscope synth --length-scale {LENGTH_SCALE:g} --no-text` ({PROMPTS} prompts x "
         f"{GROUP} rollouts per step, ~1.1k tokens per response, ~{TOKENS_PER_STEP / 1e6:.2f}M "
         f"token rows per step, ~{rows[-1]['tokens'] / rows[-1]['files'] / 1e6:.1f}M per file). "

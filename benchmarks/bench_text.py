@@ -18,14 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_analyze import CACHE, ROOT, timed
 
 
-def ensure_run(responses: int) -> Path:
-    """A cached healthy synthetic run with about `responses` train rollouts, text, no tokens."""
+def ensure_run(responses: int, prompts: int = 512) -> Path:
+    """A cached healthy synthetic run with about `responses` train rollouts (`prompts` groups
+    of 8 per step), text, no tokens."""
     from rlscope.synth import generate
 
-    path = CACHE / f"text-{responses}"
+    path = CACHE / (f"text-{responses}" if prompts == 512 else f"text-{responses}-{prompts}p")
     if (path / "run.json").exists():
         return path
-    prompts, group = 512, 8
+    group = 8
     steps = max(10, round(responses / (prompts * group)))
     t0 = time.perf_counter()
     generate(path, "healthy", steps=steps, prompts_per_step=prompts, group_size=group, tokens=False)
@@ -37,15 +38,12 @@ def ensure_run(responses: int) -> Path:
 LIVE_TABLES = ("rollouts", "steps", "probes")
 
 
-def live_copy(run: Path, steps_per_file: int = 10, rollouts_per_file: int | None = None) -> Path:
+def live_copy(run: Path, steps_per_file: int = 10) -> Path:
     """The run as a trainer flushing every `steps_per_file` steps writes it: its rollouts,
-    steps and probes tables in files of that many steps (probes by their rollout's step);
-    with `rollouts_per_file`, the rollouts in files of that many rows instead (a file per
-    rollout batch: thousands of files)."""
+    steps and probes tables in files of that many steps (probes by their rollout's step)."""
     import polars as pl
 
-    name = f"{run.name}-live-{rollouts_per_file}r" if rollouts_per_file else f"{run.name}-live"
-    path = run.parent / name
+    path = run.parent / f"{run.name}-live-{steps_per_file}"
     if (path / "run.json").exists():
         return path
     shutil.rmtree(path, ignore_errors=True)
@@ -57,12 +55,6 @@ def live_copy(run: Path, steps_per_file: int = 10, rollouts_per_file: int | None
         rows = pl.scan_parquet(sorted((run / table).glob("*.parquet")))
         if table == "probes":
             rows = rows.join(rollouts.select("rollout_id", "step"), on="rollout_id")
-        if table == "rollouts" and rollouts_per_file:
-            ordered = rows.sort("step", "rollout_id").collect()
-            for index in range(0, ordered.height, rollouts_per_file):
-                part = ordered.slice(index, rollouts_per_file)
-                part.write_parquet(path / table / f"part-{index // rollouts_per_file:06d}.parquet")
-            continue
         for index in range(0, len(steps), steps_per_file):
             lo, hi = steps[index], steps[min(index + steps_per_file, len(steps)) - 1]
             part = rows.filter(pl.col("step").is_between(lo, hi)).collect()
@@ -133,7 +125,7 @@ def main() -> None:
         "--many",
         type=int,
         default=100_000,
-        help="the run of the incremental re-analysis with a rollouts file per 64 rollouts",
+        help="the run of the incremental re-analysis with a file per step (8 prompts x 8)",
     )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RESULTS-text.md")
@@ -153,7 +145,8 @@ def main() -> None:
         "# rlscope analyze with and without the text metrics",
         "",
         f"Machine: {platform.platform()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}; median of {args.repeat} runs; healthy synthetic runs with "
+        f"{platform.python_version()}; median of {args.repeat} runs, each a fresh process (its "
+        "own peak RSS: forked from a small launcher); healthy synthetic runs with "
         "rollout text (~60 words), eval splits and probes, no token table "
         "(`benchmarks/bench_text.py`).",
         "",
@@ -163,7 +156,7 @@ def main() -> None:
     ]
     for n, (at, arss), (bt, brss) in rows:
         lines.append(f"| {n:,} | {at:.1f} | {arss:.2f} | {bt:.1f} | {brss:.2f} |")
-    lives = [live_copy(ensure_run(args.live)), live_copy(ensure_run(args.many), 1, 64)]
+    lives = [live_copy(ensure_run(args.live)), live_copy(ensure_run(args.many, prompts=8), 1)]
     measured = []
     for live in lives:
         measured.append(incremental(live))
@@ -174,8 +167,8 @@ def main() -> None:
         "",
         f"Two live runs: the {args.live:,}-response run with its rollouts, steps and probes "
         "tables in files of 10 steps (as a trainer flushing every 10 steps writes them), and "
-        f"the {args.many:,}-response run with a file of 64 rollouts per rollout batch (steps "
-        "and probes a file per step). Each without the last file of each table: analysed once "
+        f"a {args.many:,}-response run of 8 prompts x 8 per step with a file per step in each "
+        "table (thousands of files). Each without the last file of each table: analysed once "
         "(filling a fresh cache), again with nothing new, then after those files are added: "
         "one file of each table is read (`run.table_files` in the JSON; checked). The "
         "rollouts checks (duplicate ids, invalid values, probes and token rows without a "
