@@ -253,7 +253,7 @@ def read_probes(
 
 #: What reading a cache part that was damaged or removed meanwhile raises.
 CACHE_ERRORS = (OSError, pl.exceptions.PolarsError)
-#: Bumped when what is stored of a file's steps (or ids) changes.
+#: Bumped when what a file's index holds (`reader.read_index`) changes.
 INDEX_REVISION = "2"
 #: A probes file's rows (cached per file).
 PROBE_ROWS = "rows"
