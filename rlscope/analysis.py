@@ -55,8 +55,8 @@ def analyze(
         import_notes = [f"imported from {from_format} {path} into {out}", *imported.notes]
         import_notes += [f"import warning: {w}" for w in imported.warnings]
         path = out
-    # With a cache, the rollouts are checked from what it keeps of each file (`compute`).
-    run = open_run(path, steps=steps, check_rollouts=not use_cache)
+    # The rollouts are checked by `compute`, from the index it reads (or caches) of each file.
+    run = open_run(path, steps=steps, check_rollouts=False)
     config = config if config is not None else load_config()
     cache = PartialCache(cache_dir) if use_cache else None
     computed = compute(

@@ -17,7 +17,7 @@ from rlscope.reader import (
     FILE_INDEX,
     INVALID_PREFIX,
     Run,
-    check_rollouts_scan,
+    check_from_index,
     invalid_warnings,
     scan_error,
     valid_rollout,
@@ -28,7 +28,6 @@ from rlscope.steplocal import (
     FileIndex,
     TableRead,
     TableStore,
-    checked_rollouts,
     file_index,
     read_probes,
     read_step_local,
@@ -295,17 +294,17 @@ def compute(
         token_levels.insert(0, "")  # the token scan always counts rows and NaN/inf per step
     counted: dict[tuple[str, str], list[str]] = {}
     warnings: list[str] = []
-    # What is known of each rollouts and probes file, cached (see rlscope.steplocal); the
-    # rollouts check when the run was opened without it.
+    # What is known of each rollouts and probes file (see rlscope.steplocal; cached with a
+    # store), read once for the rollouts check, the orphan checks, the probes and the final
+    # window's files; the rollouts check when the run was opened without it.
     store = cache if isinstance(cache, TableStore) else None
+    unchecked = not run.rollouts_checked and "rollouts" in run.tables
     index: dict[str, FileIndex] = {}
-    if store is not None:
+    if store is not None or unchecked:
         index = {t: file_index(run, t, store) for t in ("rollouts", "probes") if t in run.tables}
-    if not run.rollouts_checked and "rollouts" in run.tables:
-        if "rollouts" in index:
-            warnings += checked_rollouts(run, index["rollouts"], index.get("probes"))
-        else:
-            warnings += check_rollouts_scan(run)
+    if unchecked:
+        probes = index["probes"].frames if "probes" in index else None
+        warnings += check_from_index(run, index["rollouts"].frames, probes)
     scan_stats = ScanStats()
     token_frames: dict[str, pl.DataFrame] = {}
     # Tokens first: the scan hands its decode buffers back when done, so the peak is the larger
@@ -339,7 +338,7 @@ def compute(
             lambda part: aggregate_query(part, "probes", "", partials),
             store=store,
             fingerprint=steplocal_fingerprint(
-                run, "probes", [partials, probes_query, dict(run.tables["rollouts"].schema)]
+                run, "probes", [partials, probes_query, _schema(run, "rollouts")]
             ),
             probes=index.get("probes"),
             rollouts=index.get("rollouts"),
@@ -712,6 +711,10 @@ def final_window_mean(values: list[float | None]) -> float | None:
     """Summary value: mean over the final window (rlscope.windows) of the non-null steps."""
     window = final_window([v for v in values if v is not None])
     return sum(window) / len(window) if window else None
+
+
+def _schema(run: Run, table: str) -> dict[str, pl.DataType]:
+    return dict(run.tables[table].schema) if table in run.tables else {}
 
 
 def _floats(series: pl.Series) -> list[float | None]:

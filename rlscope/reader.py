@@ -36,10 +36,10 @@ _JSON_CHECKS: dict[str, type | tuple[type, ...]] = {
     "object": dict,
 }
 
-#: `Run.scan(table, invalid_flags=True)` adds, per float column `c`, a boolean
-#: `__invalid__c`: the file held a non-null value that is not finite (NaN/±inf, read as null).
 #: A row's file's index among its table's files (`Run.scan(..., file_index=True)`).
 FILE_INDEX = "__file_index__"
+#: `Run.scan(table, invalid_flags=True)` adds, per float column `c`, a boolean
+#: `__invalid__c`: the file held a non-null value that is not finite (NaN/±inf, read as null).
 INVALID_PREFIX = "__invalid__"
 #: A response longer than this (or negative) is a logging bug, not a length.
 MAX_RESPONSE_LEN = 10_000_000
@@ -359,7 +359,7 @@ def open_run(
     check_rollouts: bool = True,
 ) -> Run:
     """Validate a run directory's layout, run.json and every file's schema (footers only) and,
-    unless told not to (an analysis that checks them from its cache), the rollouts' ids and
+    unless told not to (`analyze` checks them from each file's index), the rollouts' ids and
     values (`check_rollouts`)."""
     root = Path(path)
     if not root.exists():

@@ -89,7 +89,7 @@ class RunInfo:
     # Token files in the run, and how many were read now (the rest: cached partials).
     token_files: int = 0
     token_files_read: int = 0
-    # Steps and rollouts: (files, files read now); the rest came from the per-file cache.
+    # Steps, rollouts and probes: (files, files read now); the rest came from the cache.
     table_files: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property

@@ -22,7 +22,6 @@ from rlscope.reader import (
     ROLLOUTS_FILE,
     STEPS_OF,
     Run,
-    check_from_index,
     files_of_ids,
     index_names,
     read_index,
@@ -87,8 +86,11 @@ class FileIndex:
         return files_of_ids(self.frames[IDS_OF], ids)
 
 
-def file_index(run: Run, table: str, store: TableStore) -> FileIndex:
-    """`table`'s `FileIndex`: cached for the files seen before, read for the new ones."""
+def file_index(run: Run, table: str, store: TableStore | None) -> FileIndex:
+    """`table`'s `FileIndex`: cached for the files seen before, read for the new ones (without
+    a store: read for every file, and no keys)."""
+    if store is None:
+        return FileIndex([], read_index(run, table, range(len(run.tables[table].files))))
     keys = store.file_keys(run, table)
     names = index_names(table)
     index_store = store.table_frames(run, table, "index", INDEX_REVISION, names)
@@ -115,11 +117,6 @@ def file_index(run: Run, table: str, store: TableStore) -> FileIndex:
         index_store.commit()
         frames = {n: pl.concat([frames[n], found[n]], how="diagonal_relaxed") for n in names}
     return FileIndex(keys, frames)
-
-
-def checked_rollouts(run: Run, rollouts: FileIndex, probes: FileIndex | None) -> list[str]:
-    """`reader.check_rollouts` from the tables' `file_index`es: no file read again."""
-    return check_from_index(run, rollouts.frames, probes.frames if probes else None)
 
 
 def read_step_local(

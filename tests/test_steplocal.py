@@ -27,11 +27,12 @@ from rlscope.reader import (
     INVALID_PREFIX,
     MAX_RESPONSE_LEN,
     ROLLOUTS_FILE,
+    check_from_index,
     check_rollouts,
     check_rollouts_scan,
     open_run,
 )
-from rlscope.steplocal import checked_rollouts, file_index, fingerprint
+from rlscope.steplocal import file_index, fingerprint
 from rlscope.synth import generate
 
 
@@ -385,9 +386,9 @@ def test_the_rollouts_check_from_each_file_s_index(tmp_path: Path, seed: int) ->
 
     with mock.patch("rlscope.reader.INDEX_BATCH_ROWS", 1 + seed * 7):  # files per batch
         assert outcome(check_rollouts_scan, run) == expected
-        for _ in range(2):  # the index read, then from the cache
-            index = {t: file_index(run, t, cache) for t in ("rollouts", "probes")}
-            found = outcome(checked_rollouts, run, index["rollouts"], index["probes"])
+        for store in (None, cache, cache):  # read, uncached; read and cached; from the cache
+            index = {t: file_index(run, t, store).frames for t in ("rollouts", "probes")}
+            found = outcome(check_from_index, run, index["rollouts"], index["probes"])
             assert found == expected
 
 
