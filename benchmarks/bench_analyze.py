@@ -314,6 +314,8 @@ def steal_share(before: list[int], after: list[int]) -> float | None:
 def write_results(
     args: argparse.Namespace, rows: list[dict], incr: dict[str, float], laid: list[dict]
 ) -> None:
+    from rlscope.tokenscan import limits
+
     lines = [
         "# rlscope analyze benchmark",
         "",
@@ -377,9 +379,11 @@ def write_results(
             "the layouts trainers use (`benchmarks/layouts.py`; the other tables unchanged), each "
             f"timed {args.repeat} times, round robin: `analyze --no-cache` with every metric, and "
             "the bare scan of the same columns. The working set is bounded by rows in flight "
-            "(batches of at most 400k rows and 24 MiB decoded, read through an 8 MiB buffer; a "
-            "large file is reduced in pieces of row groups by every worker), not by files or row "
-            "groups; thousands of files' partials are folded as they come.",
+            f"(batches of at most {limits.BATCH_ROWS // 1000}k rows and "
+            f"{limits.BATCH_BYTES >> 20} MiB decoded, read through a "
+            f"{limits.READ_BUFFER_BYTES >> 20} MiB buffer per column; a large file is reduced in "
+            "pieces of row groups by every worker), not by files or row groups; thousands of "
+            "files' partials are folded as they come.",
             "",
             "| layout | token rows | files | rows in the first row group | analyze (s) "
             "| peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | analyze / scan |",

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -662,3 +663,79 @@ def test_pooled_and_whole_file_reads_take_paths_literally(write_run: WriteRun) -
     a, b = compute(open_run(plain)), compute(open_run(odd))
     assert b.tokens.files == 5 and b.tokens.rows == tokens["step"].size
     assert_results_close(a.results, b.results)
+
+
+def test_the_entropy_histogram_in_blocks_counts_every_bin_of_every_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The histogram binned a block at a time (blocks forced small, a partial last block) is
+    the bincount of `entropy_bins` over all rows, and those bins are the formula's, in float64:
+    negative entropies in bin 0, huge ones in the last bin."""
+    monkeypatch.setattr(tokenscan.plan, "BIN_BLOCK_ROWS", 1000)
+    rng = np.random.default_rng(3)
+    values = rng.gamma(0.6, 1.5, 4321).astype(np.float32)
+    values[:3] = [-0.5, 0.0, 3e38]
+    entropy = pl.Series(values)
+    expected = np.floor(
+        np.minimum(
+            np.log1p(np.maximum(values.astype(np.float64), 0) / tokenscan.ENTROPY_BIN_OFFSET)
+            * tokenscan.ENTROPY_BINS_PER_EFOLD,
+            tokenscan.plan.ENTROPY_MAX_BIN,
+        )
+    ).astype(np.int64)
+    assert tokenscan.entropy_bins(entropy).tolist() == expected.tolist()
+    tally = tokenscan.plan.entropy_histogram(entropy)
+    assert tally.tolist() == np.bincount(expected, minlength=tally.size).tolist()
+    assert tally[0] >= 2 and tally[-1] == 1
+    assert tokenscan.plan.entropy_histogram(pl.Series([], dtype=pl.Float32)).sum() == 0
+
+
+def test_a_step_whose_segments_are_all_null_has_no_segment_rows(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One step's rows all without a segment (the runs path finds no segment to sum), the other
+    steps' with: the same partials as the group-by path, and no row for that step."""
+    monkeypatch.setattr(limits, "MIN_STEP_RUN_ROWS", 1)
+    tokens = make_tokens(12, range(1, 5))
+    segment = tokens["segment"].astype(object)
+    segment[tokens["step"] == 2] = None
+    frame = pl.DataFrame({**tokens, "segment": segment}).with_columns(
+        pl.col("segment").cast(pl.Categorical)
+    )
+    rollouts = rollouts_of(tokens)
+    order = np.random.default_rng(12).permutation(frame.height)
+    runs = write_run({"rollouts": rollouts, "tokens": [frame]})
+    shuffled = write_run({"rollouts": rollouts, "tokens": [frame.select(pl.all().gather(order))]})
+    plan = plan_for(runs)
+    a, _ = scan_tokens(open_run(runs), plan)
+    b, _ = scan_tokens(open_run(shuffled), plan)
+    for level in plan.levels:
+        assert_frames_close(a[level], b[level])
+    assert 2 not in a["segments"]["step"].to_list()
+
+
+def test_the_scan_leaves_arrows_default_memory_pool_as_it_found_it(write_run: WriteRun) -> None:
+    """The scan decodes with Arrow's jemalloc pool where pyarrow has it, and restores the
+    process's default afterwards."""
+    tokens = make_tokens(13, range(1, 3))
+    run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
+    before = pa.default_memory_pool().backend_name
+    scan_tokens(open_run(run), plan_for(run))
+    assert pa.default_memory_pool().backend_name == before
+
+
+def test_tokens_without_rollouts_or_segments_are_reduced(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose tokens have neither a rollouts table to check ids against nor segments:
+    the plan reads no rollout_id, and the step sums (run by run of one step) are the rows'."""
+    monkeypatch.setattr(limits, "MIN_STEP_RUN_ROWS", 1)
+    tokens = make_tokens(14, range(1, 4))
+    del tokens["segment"]
+    steps = [{"step": step, "loss": 1.0} for step in range(1, 4)]
+    run = write_run({"steps": steps, "tokens": tokens})  # step metrics and tokens, no rollouts
+    plan = plan_for(run)
+    assert not plan.ids and "segments" not in plan.partials
+    assert "rollout_id" not in plan.columns(open_run(run).tables["tokens"].schema)
+    levels, _ = scan_tokens(open_run(run), plan)
+    assert levels[""][ROWS].to_list() == np.bincount(tokens["step"])[1:].tolist()

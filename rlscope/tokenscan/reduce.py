@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Literal
 
 import numpy as np
 import polars as pl
@@ -13,11 +14,11 @@ import pyarrow.parquet as pq
 from rlscope.reader import INVALID_PREFIX, conform
 from rlscope.tokenscan import limits
 from rlscope.tokenscan.plan import (
-    ENTROPY_MAX_BIN,
     ROWS,
     TokenFile,
     TokenPlan,
     entropy_bins,
+    entropy_histogram,
 )
 
 
@@ -43,7 +44,12 @@ def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
         row_bytes = _decoded_row_bytes(parquet, present, groups, rows)
         cap = max(1, min(limits.BATCH_ROWS, limits.BATCH_BYTES // max(1, row_bytes)))
         size = _even(rows, cap)
-        for batch in parquet.iter_batches(batch_size=size, columns=present, row_groups=groups):
+        # One thread per read: the workers are the parallelism (the columns decoded in
+        # parallel besides only add hand-offs).
+        batches = parquet.iter_batches(
+            batch_size=size, columns=present, row_groups=groups, use_threads=False
+        )
+        for batch in batches:
             yield pl.from_arrow(pa.Table.from_batches([batch]))  # type: ignore[misc]
 
 
@@ -106,10 +112,9 @@ def _level_queries(
     for several files at once, or none for one step's run of rows) and the level's own key;
     but not the levels already `done`."""
     queries: dict[str, pl.LazyFrame] = {}
+    schema = lf.collect_schema()
     invalid = [
-        (pl.col(flag).sum() if flag in lf.collect_schema() else pl.lit(0))
-        .cast(pl.Int64)
-        .alias(flag)
+        (pl.col(flag).sum() if flag in schema else pl.lit(0)).cast(pl.Int64).alias(flag)
         for flag in (INVALID_PREFIX + c for c in plan.count_invalid)
     ]
     base = [pl.len().cast(pl.Int64).alias(ROWS), *invalid]
@@ -137,41 +142,19 @@ def _level_queries(
     return queries
 
 
-#: The shapes of segments-level partial that `_run_levels` computes from runs of rows: per run
-#: a length, a float sum or a count (added up per segment), and distinct rollouts over runs.
-_RUN_SHAPES: tuple[tuple[str, Callable[[str], pl.Expr]], ...] = (
-    ("len", lambda _: pl.len().cast(pl.Int64)),
-    ("len", lambda _: pl.len()),
-    ("rollouts", lambda _: pl.col("rollout_id").n_unique()),
-    ("sum", lambda column: pl.col(column).cast(pl.Float64).sum()),
-    ("count", lambda column: pl.col(column).count().cast(pl.Int64)),
-    ("count", lambda column: pl.col(column).count()),
-)
-_RUN_ROLLOUT, _RUN_LEN, _RUN_SEGMENT = "__run_rollout__", "__run_len__", "__run_segment__"
-
-
-def _run_shape(expr: pl.Expr) -> tuple[str, str] | None:
-    """(kind, column) of a segments-level partial `_run_levels` can compute, else None."""
-    roots = expr.meta.root_names()
-    column = roots[0] if len(roots) == 1 else ""
-    for kind, shape in _RUN_SHAPES:
-        if expr.meta.eq(shape(column)):
-            return kind, column
-    return None
-
-
-def _run_levels(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame]:
+def _run_levels(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.DataFrame]:
     """The ids and segments levels of rows without group keys, from the runs of rows of one
     (rollout, segment): a rollout's tokens are contiguous, so the per-row work is a few
-    vectorised passes and the grouping is over a row per run, not per token. A level this
-    can't compute (a null rollout_id, a segment partial of another shape) is left out, for
+    vectorised passes and the grouping (in numpy: a query per batch would cost more to run
+    than these few thousand rows) is over a row per run, not per token. A level this can't
+    compute (a null rollout_id, a segment partial of another shape) is left out, for
     `_level_queries`."""
+    shapes = plan.segment_run_shapes
+    by_segment = shapes is not None
+    if not (by_segment or plan.ids) or "rollout_id" not in frame.columns:
+        return {}
     rollout = frame["rollout_id"]
     if not frame.height or rollout.null_count():
-        return {}
-    shapes = {name: _run_shape(e) for name, e in plan.partials.get("segments", {}).items()}
-    by_segment = "segments" in plan.partials and None not in shapes.values()
-    if not (by_segment or plan.ids):
         return {}
     ids = rollout.to_numpy()
     keys = [ids]
@@ -185,31 +168,57 @@ def _run_levels(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame]
         keys.append(codes.to_numpy())
     starts = _run_starts(*keys)
     lengths = np.diff(starts, append=frame.height)
-    runs = pl.LazyFrame({_RUN_ROLLOUT: ids[starts], _RUN_LEN: lengths})
-    levels: dict[str, pl.LazyFrame] = {}
+    run_ids = ids[starts]
+    levels: dict[str, pl.DataFrame] = {}
     if plan.ids:
-        levels["ids"] = runs.group_by(pl.col(_RUN_ROLLOUT).alias("rollout_id")).agg(
-            pl.col(_RUN_LEN).sum().alias("len")
+        # A row per run of one rollout (its segments' runs joined): one per rollout when its
+        # rows are contiguous; the merge sums a rollout's rows if not.
+        at = _run_starts(run_ids)
+        levels["ids"] = pl.DataFrame(
+            {"rollout_id": run_ids[at], "len": np.add.reduceat(lengths, at)}
         )
-    if segment is not None:
-        per_run, exprs = [pl.Series(_RUN_SEGMENT, segment.gather(starts))], []
-        for name, (kind, column) in shapes.items():  # type: ignore[misc]
-            if kind == "len":
-                exprs.append(pl.col(_RUN_LEN).sum().alias(name))
-            elif kind == "rollouts":
-                exprs.append(pl.col(_RUN_ROLLOUT).n_unique().alias(name))
-            else:
-                values = _per_run(kind, frame[column], starts, lengths)
-                per_run.append(pl.Series(name, values))
-                exprs.append(pl.col(name).sum())
-        levels["segments"] = (
-            runs.with_columns(per_run)
-            .filter(pl.col(_RUN_SEGMENT).is_not_null())
-            .group_by(_RUN_SEGMENT)
-            .agg(exprs)
-            .select(pl.col(_RUN_SEGMENT).cast(pl.String).alias("segment"), *shapes)
+    if segment is not None and shapes is not None:
+        levels["segments"] = _segment_sums(
+            frame, segment.gather(starts), run_ids, starts, lengths, shapes
         )
     return levels
+
+
+def _segment_sums(
+    frame: pl.DataFrame,
+    run_segment: pl.Series,
+    run_ids: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    shapes: dict[str, tuple[str, str]],
+) -> pl.DataFrame:
+    """The segments level from the runs of one (rollout, segment): each partial summed over a
+    segment's runs (distinct rollouts: distinct (segment, rollout) pairs), runs of a null
+    segment left out."""
+    keep = run_segment.is_not_null().to_numpy()
+    run_segment = run_segment.filter(keep)
+    if not isinstance(run_segment.dtype, pl.Categorical | pl.Enum):
+        run_segment = run_segment.cast(pl.Categorical)
+    codes, first, group = np.unique(
+        run_segment.to_physical().to_numpy(), return_index=True, return_inverse=True
+    )
+    count = codes.size
+    columns: dict[str, pl.Series | np.ndarray] = {
+        "segment": run_segment.gather(first).cast(pl.String)
+    }
+    for name, (kind, column) in shapes.items():
+        if kind == "len":
+            columns[name] = np.bincount(group, lengths[keep], count).astype(np.int64)
+        elif kind == "rollouts":
+            rollouts = run_ids[keep]
+            order = np.lexsort((rollouts, group))
+            distinct = _run_starts(group[order], rollouts[order]) if order.size else order
+            columns[name] = np.bincount(group[order][distinct], minlength=count).astype(np.int64)
+        else:
+            values = _per_run(kind, frame[column], starts, lengths)[keep]
+            sums = np.bincount(group, values, count)
+            columns[name] = sums if kind == "sum" else sums.astype(np.int64)
+    return pl.DataFrame(columns)
 
 
 def _per_run(kind: str, values: pl.Series, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -241,44 +250,56 @@ def _grouped_levels(
     return queries
 
 
-def _step_levels(piece: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame]:
+def _step_levels(piece: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame | pl.DataFrame]:
     """Every level of one step's run of conformed rows, each with that step as a column: a
     plain select (no hashing of every row's step), the run levels of `_run_levels` and the
     entropy histogram as a bincount."""
-    queries = _run_levels(piece, plan)
-    queries |= _level_queries(piece.lazy(), plan, [], done=queries)
+    step = piece["step"][0]
+    frames = _run_levels(piece, plan)
+    queries = _level_queries(piece.lazy(), plan, [], done=frames)
     if "entropy_bins" in plan.partials:
         (name,) = plan.partials["entropy_bins"]
         entropy = _non_null(piece.select("entropy"), "entropy")["entropy"]
-        tally = np.bincount(entropy_bins(entropy), minlength=ENTROPY_MAX_BIN + 1)
+        tally = entropy_histogram(entropy)
         found = np.flatnonzero(tally)
-        queries["entropy_bins"] = pl.LazyFrame(
+        frames["entropy_bins"] = pl.DataFrame(
             {"entropy_bin": found.astype(np.int32), name: tally[found].astype(np.int64)}
         )
-    step = pl.lit(piece["step"][0], pl.Int64).alias("step")
-    return {level: query.select(step, pl.all()) for level, query in queries.items()}
+    levels: dict[str, pl.LazyFrame | pl.DataFrame] = {
+        level: query.select(pl.lit(step, pl.Int64).alias("step"), pl.all())
+        for level, query in queries.items()
+    }
+    for level, frame in frames.items():
+        levels[level] = frame.insert_column(0, pl.Series("step", [step] * frame.height, pl.Int64))
+    return levels
 
 
 def _non_null(frame: pl.DataFrame, column: str) -> pl.DataFrame:
     return frame.filter(pl.col(column).is_not_null()) if frame[column].null_count() else frame
 
 
-def _collect(queries: list[dict[str, pl.LazyFrame]]) -> dict[str, pl.DataFrame]:
-    """Levels' queries (of several pieces of rows) collected at once, each level's pieces
-    concatenated."""
-    flat = [(level, query) for levels in queries for level, query in levels.items()]
+def _collect(
+    levels: Sequence[Mapping[str, pl.LazyFrame | pl.DataFrame]],
+) -> dict[str, pl.DataFrame]:
+    """Levels (of several pieces of rows) collected at once where they are queries, each
+    level's pieces concatenated."""
+    flat = [(level, part) for one in levels for level, part in one.items()]
+    collected = iter(collect_all([q for _, q in flat if isinstance(q, pl.LazyFrame)]))
     parts: dict[str, list[pl.DataFrame]] = {}
-    for (level, _), frame in zip(flat, collect_all([q for _, q in flat]), strict=True):
+    for level, part in flat:
+        frame = next(collected) if isinstance(part, pl.LazyFrame) else part
         parts.setdefault(level, []).append(frame)
     return {level: pl.concat(frames, how="vertical_relaxed") for level, frames in parts.items()}
 
 
-def collect_all(queries: list[pl.LazyFrame]) -> list[pl.DataFrame]:
+def collect_all(
+    queries: list[pl.LazyFrame], engine: Literal["auto", "in-memory", "streaming"] = "auto"
+) -> list[pl.DataFrame]:
     """`pl.collect_all` in slices of COLLECT_SLICE queries: linear in their number."""
     return [
         frame
         for start in range(0, len(queries), limits.COLLECT_SLICE)
-        for frame in pl.collect_all(queries[start : start + limits.COLLECT_SLICE])
+        for frame in pl.collect_all(queries[start : start + limits.COLLECT_SLICE], engine=engine)
     ]
 
 
@@ -301,7 +322,7 @@ def _conformed(
     floats = [c for c, t in file.schema.items() if c in file.target and t.is_float()]
     # A finite sum means no NaN or inf (either makes the sum NaN or inf); a non-finite one
     # (or an overflow) is checked row by row.
-    sums = frame.select(pl.col(c).sum() for c in floats).row(0) if floats else ()
+    sums = [frame[c].sum() for c in floats]  # a Series' sum: no query to plan
     finite = [c for c, total in zip(floats, sums, strict=True) if math.isfinite(total)]
     suspect = [c for c in floats if c not in finite]
     if suspect:
