@@ -406,3 +406,14 @@ def test_a_trl_dir_named_like_a_pattern_imports(tmp_path: Path) -> None:
     a = pl.read_parquet(sorted((plain / "rollouts").glob("*.parquet")))
     b = pl.read_parquet([str(p) for p in sorted((strange / "rollouts").glob("*.parquet"))])
     assert a.columns == b.columns and a.height == b.height > 0
+
+
+@needs_healthy
+def test_a_reused_import_reports_the_notes_of_the_first(tmp_path: Path) -> None:
+    """The notes say how the source was read (group size inferred, lengths counted in words);
+    an analysis that reuses the cached import reads no file again, and still reports them."""
+    first = rlscope.analyze(HEALTHY, from_format="trl", cache_dir=tmp_path, use_cache=False)
+    again = rlscope.analyze(HEALTHY, from_format="trl", cache_dir=tmp_path, use_cache=False)
+    assert any("num_generations = 8" in n for n in first.notes)
+    assert any("whitespace-separated words" in n for n in first.notes)
+    assert again.notes == first.notes

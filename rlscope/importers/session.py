@@ -459,7 +459,17 @@ class Session:
         self.checkpoint(force=True)
         if self._writer is not None:
             self._writer.close()
+        # Notes say how the source was mapped (inferred group size, lengths counted in words):
+        # kept with the import, so a later call that reads no file still reports them.
+        notes = self._notes()
+        if notes != self.entry.get("notes", []):
+            self.entry["notes"] = notes
+            self._dirty = True
         self.save()
+
+    def _notes(self) -> list[str]:
+        """The notes of earlier calls of this import, then this call's new ones."""
+        return list(dict.fromkeys([*self.entry.get("notes", []), *self.notes]))
 
     def tick(self, done: int, total: int) -> None:
         if self.progress is not None:
@@ -482,7 +492,7 @@ class Session:
             lines_skipped=dict(self.skips.counts),
             line_examples=examples,
             warnings=tuple(dict.fromkeys(self.warnings)),
-            notes=tuple(dict.fromkeys(self.notes)),
+            notes=tuple(self._notes()),
         )
 
 

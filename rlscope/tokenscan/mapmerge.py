@@ -217,8 +217,11 @@ def _summed(
             .agg(pl.col(v).sum() for v in values)
             .sort(keys, nulls_last=True)
         )
-    # Small frames: the in-memory engine starts faster (half the cost of these group-bys).
-    collected = collect_all(queries, "in-memory")
+    # A chunk's few rows: the in-memory engine starts faster; a run's merge: streaming.
+    small = (
+        sum(f.height for one in parts for fs in one.values() for f in fs) <= limits.IN_MEMORY_ROWS
+    )
+    collected = collect_all(queries, "in-memory" if small else "auto")
     if not tag:
         return [dict(zip(plan.levels, collected, strict=True))]
     summed: list[dict[str, pl.DataFrame]] = [{} for _ in parts]
@@ -350,7 +353,9 @@ def scan_tokens(
                 progress(done, len(files))
     if cache is not None:
         cache.commit()
-    merged = merge(folded + results, plan)
+    parts = folded + results
+    # One part (the cache's, or one file's) is already summed per key: not summed again.
+    merged = dict(parts[0]) if len(parts) == 1 else merge(parts, plan)
     if run.step_range != (None, None):
         merged = {level: frame.filter(run.in_step_range()) for level, frame in merged.items()}
     stats = ScanStats(

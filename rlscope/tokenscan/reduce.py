@@ -259,7 +259,8 @@ def _step_levels(piece: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame
     queries = _level_queries(piece.lazy(), plan, [], done=frames)
     if "entropy_bins" in plan.partials:
         (name,) = plan.partials["entropy_bins"]
-        entropy = _non_null(piece.select("entropy"), "entropy")["entropy"]
+        entropy = piece["entropy"]
+        entropy = entropy.drop_nulls() if entropy.null_count() else entropy
         tally = entropy_histogram(entropy)
         found = np.flatnonzero(tally)
         frames["entropy_bins"] = pl.DataFrame(
@@ -333,7 +334,9 @@ def _conformed(
         if target.get(column) == pl.String and isinstance(dtype, pl.Categorical | pl.Enum):
             target[column] = dtype
     if len(finite) == len(floats) and all(file.schema.get(c) == t for c, t in target.items()):
-        return frame.select(*file.target, *keep)  # nothing to cast, fill or flag
+        # Nothing to cast, fill or flag (a batch read as the plan reads it is returned as is).
+        columns = [*file.target, *keep]
+        return frame if frame.columns == columns else frame.select(columns)
     exprs = conform(
         target, dict(file.schema), dict(file.hive), invalid_flags=True, all_finite=finite
     )
