@@ -10,9 +10,11 @@ from itertools import combinations
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import pytest
 
 from rlscope.engine import compute
+from rlscope.metrics import exploration
 from rlscope.metrics.exploration import edit_distances
 from rlscope.reader import open_run
 from rlscope.text import MINHASH_K
@@ -166,3 +168,34 @@ def test_decline_shape(values: list[float], shape: str) -> None:
     assert out["shape"] == shape
     if shape == "cliff":
         assert out["steepest_steps"][0] <= 3 <= out["steepest_steps"][1]
+
+
+@pytest.mark.parametrize("variant", ["minhash", "actions"])
+def test_pairwise_diversity_does_not_depend_on_the_rows_order(variant: str) -> None:
+    """The step's mean over its groups is the same to the last bit whatever the order the
+    groups come in (Polars' group-by gives no order: the mean is taken over sorted values)."""
+    rng = np.random.default_rng(7)
+    rows = 3 * 150 * 4  # 3 steps x 150 groups x 4 rollouts
+    frame = pl.DataFrame(
+        {
+            "step": np.repeat(np.arange(3), 600),
+            "prompt_id": [f"p{i // 4}" for i in range(rows)],
+            "split": ["train"] * rows,
+        }
+    )
+    if variant == "minhash":
+        signature = {f"minhash_{j}": rng.integers(0, 3, rows) for j in range(MINHASH_K)}
+        frame = frame.with_columns(**signature)
+        series = exploration._minhash_diversity
+    else:
+        actions = [rng.integers(0, 4, rng.integers(1, 6)).tolist() for _ in range(rows)]
+        frame = frame.with_columns(pl.Series("action_seq", actions, pl.List(pl.UInt64)))
+        series = exploration._edit_diversity
+    results = [
+        series(frame.sample(fraction=1.0, shuffle=True, seed=seed).lazy(), None)  # type: ignore[arg-type]
+        .collect()
+        .sort("step")
+        for seed in range(6)
+    ]
+    for other in results[1:]:
+        assert other["value"].to_list() == results[0]["value"].to_list()

@@ -9,7 +9,7 @@ import polars as pl
 
 from rlscope import text
 from rlscope.context import MetricContext
-from rlscope.metrics._common import train
+from rlscope.metrics._common import ordered_mean, train
 from rlscope.spec import Declarations, Metric, Variant
 from rlscope.windows import window_size
 
@@ -225,7 +225,8 @@ def _minhash_diversity(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     )
     pairs = pl.col("n") * (pl.col("n") - 1) / 2
     groups = sizes.filter(pl.col("n") >= 2).join(agreeing, on="group", how="left")
-    return groups.group_by("step").agg((1.0 - pl.col("agree") / (k * pairs)).mean().alias("value"))
+    diversity = ordered_mean(1.0 - pl.col("agree") / (k * pairs))
+    return groups.group_by("step").agg(diversity.alias("value"))
 
 
 def edit_distances(a: list[np.ndarray], b: list[np.ndarray]) -> np.ndarray:
@@ -307,13 +308,13 @@ def _edit_diversity(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     longest = np.maximum(np.maximum(lengths[a], lengths[b]), 1)
     distance = _pair_distances(seqs, lengths, a, b) / longest
     pairs = pl.DataFrame({"row": g, "d": distance})
-    per_group = pairs.group_by("row").agg(pl.col("d").mean())
+    per_group = pairs.group_by("row").agg(ordered_mean(pl.col("d")))
     keys = rows.select(GROUP).with_row_index("row").with_columns(pl.col("row").cast(pl.Int64))
     return (
         keys.join(per_group, on="row")
         .lazy()
         .group_by("step")
-        .agg(pl.col("d").mean().alias("value"))
+        .agg(ordered_mean(pl.col("d")).alias("value"))
     )
 
 
