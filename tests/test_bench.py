@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("duckdb")
 
 
+@pytest.mark.slow  # 12 s; the report benchmark's test stays in the fast suite
 def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     subprocess.run(

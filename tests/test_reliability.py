@@ -513,6 +513,7 @@ KILL_WORKERS = 10
 KILL_ROUNDS = 5  # per worker, each into the same run directory: 50 kills
 
 
+@pytest.mark.slow  # 11 s; the fast suite keeps test_writer's SIGKILL test
 def test_writer_killed_50_times(tmp_path: Path) -> None:
     rng = random.Random()
     seed = rng.randrange(2**32)
