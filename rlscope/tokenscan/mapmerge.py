@@ -201,9 +201,8 @@ def _summed(
         values = value_columns(level, plan)
         frames = [(index, f) for index, one in enumerate(parts) for f in one[level] if f.height]
         if not frames:
-            schema = {FILE: pl.Int32} | {k: _KEY_TYPES[k] for k in LEVEL_KEYS[level]}
-            schema = {k: schema[k] for k in keys} | {v: pl.Float64 for v in values}
-            queries.append(pl.LazyFrame(schema=schema))
+            schema = {k: pl.Int32 if k == FILE else _KEY_TYPES[k] for k in keys}
+            queries.append(pl.LazyFrame(schema=schema | {v: pl.Float64 for v in values}))
             continue
         # Concatenated eagerly (cheap for small frames), then widened in one select: a lazy
         # select per frame would cost more to plan than to run. Keys are unified first (a

@@ -150,15 +150,14 @@ def _run_levels(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.DataFrame]
     compute (a null rollout_id, a segment partial of another shape) is left out, for
     `_level_queries`."""
     shapes = plan.segment_run_shapes
-    by_segment = shapes is not None
-    if not (by_segment or plan.ids) or "rollout_id" not in frame.columns:
+    if (shapes is None and not plan.ids) or "rollout_id" not in frame.columns:
         return {}
     rollout = frame["rollout_id"]
     if not frame.height or rollout.null_count():
         return {}
     ids = rollout.to_numpy()
     keys = [ids]
-    segment = frame["segment"] if by_segment else None
+    segment = frame["segment"] if shapes is not None else None
     if segment is not None:
         categorical = isinstance(segment.dtype, pl.Categorical | pl.Enum)
         codes = segment.to_physical() if categorical else segment.rle_id()
