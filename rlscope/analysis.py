@@ -11,7 +11,7 @@ import polars as pl
 from rlscope.cache import PartialCache, import_cache_dir
 from rlscope.catalog import Catalog
 from rlscope.config import Config, load_config
-from rlscope.engine import Computed, compute
+from rlscope.engine import GROUP_SIZES, Computed, compute
 from rlscope.errors import RlscopeError
 from rlscope.evaluation import evaluate
 from rlscope.reader import Run, open_run
@@ -71,8 +71,17 @@ def analyze(
     run.check_unchanged()  # what was scanned is still the snapshot taken at open
     findings, rule_skips, judged = evaluate(computed, config, catalog)
 
-    groups = computed.aggregates.get(("rollouts", ""))
-    train_groups = groups.filter(pl.col("split") == "train") if groups is not None else None
+    sizes = computed.aggregates.get(GROUP_SIZES)
+    rollouts = pl.col("n") * pl.col("groups")
+    counts = (
+        sizes.select(
+            rollouts.sum().alias("rollouts"),
+            pl.col("groups").filter(pl.col("split") == "train").sum().alias("train_groups"),
+            rollouts.filter(pl.col("split") != "train").sum().alias("eval_rollouts"),
+        ).row(0, named=True)
+        if sizes is not None
+        else None
+    )
     step_values: set[int] = set()
     for result in computed.results.values():
         step_values.update(result.steps)
@@ -92,11 +101,9 @@ def analyze(
         n_steps=len(step_values),
         first_step=min(step_values) if step_values else None,
         last_step=max(step_values) if step_values else None,
-        n_rollouts=int(groups["n"].sum()) if groups is not None else run.row_count("rollouts"),
-        n_groups=train_groups.height if train_groups is not None else 0,
-        n_eval_rollouts=int(groups.filter(pl.col("split") != "train")["n"].sum())
-        if groups is not None
-        else 0,
+        n_rollouts=int(counts["rollouts"]) if counts else run.row_count("rollouts"),
+        n_groups=int(counts["train_groups"]) if counts else 0,
+        n_eval_rollouts=int(counts["eval_rollouts"]) if counts else 0,
         n_tokens=_token_rows(run, computed),
         token_files=computed.tokens.files,
         token_files_read=computed.tokens.files_read,

@@ -45,16 +45,32 @@ GROUP_SIZE = {"n": pl.len().cast(pl.Int64)}
 PROBE_KEYS = ("rollout_id", "step", "split", "intervention", "fraction")
 #: Why a metric is skipped in a run with a steps table and no rollouts table.
 STEPS_ONLY = "no rollouts table: the trainer logged step metrics only"
+#: The rollouts table's two levels: a row per prompt group, and a row per rollout.
+GROUP_LEVEL = ("rollouts", "")
 ROLLOUT_LEVEL = ("rollouts", "rollout")
+LEVELS = (GROUP_LEVEL, ROLLOUT_LEVEL)
+#: Computed.aggregates' key of the groups of each size per split and step (`group_sizes`).
+GROUP_SIZES = ("rollouts", "sizes")
+SIZES_SCHEMA = {"split": pl.String, "step": pl.Int64, "n": pl.Int64, "groups": pl.Int64}
+#: A series with no step.
+EMPTY_SERIES = pl.DataFrame(schema={"step": pl.Int64, "value": pl.Float64})
 #: Rollouts per range of steps of the per-rollout level (text features are computed and
-#: reduced one range at a time; 5M responses: 20 ranges, ~0.1 s of overhead each).
-ROLLOUT_CHUNK = 250_000
+#: reduced one range at a time; 250k-rollout ranges held 0.2 GiB more at the same speed).
+ROLLOUT_CHUNK = 100_000
+#: Rollouts per range of steps of the per-group level (its per-group extremes keep the query
+#: off the streaming engine: ~400 bytes a rollout; 5M rollouts in 100k ranges took 2.2 s,
+#: in 250k ranges 1.4 s and 0.09 GiB, in 500k 1.2 s and 0.2 GiB).
+GROUP_CHUNK = 250_000
+#: Rollouts per range of steps whose group sizes are counted at once (keys only: the
+#: group-by of 5M rollouts' keys in one query held 0.12 GiB).
+SIZES_CHUNK = 1_000_000
 #: Train rollouts of the final window's latest steps that findings pick example rollouts from
 #: (a handful each): they are read again on every analysis, so they are capped.
 RECENT_ROLLOUTS = 20_000
 #: Rows per streaming morsel of the per-rollout text query (Polars' default is ~100k rows:
-#: with long responses and their word lists, that is what sets the peak memory).
-TEXT_MORSEL_ROWS = 10_000
+#: with long responses and their word lists, that is what sets the peak memory; 10k rows held
+#: 0.1 GiB more than 2k for one range, at the same speed).
+TEXT_MORSEL_ROWS = 2_000
 
 
 @dataclass(frozen=True)
@@ -237,16 +253,17 @@ def orphan_warning(run: Run, ids: pl.DataFrame, rollouts: FileIndex | None = Non
     )
 
 
-def resolve_pass_k(run: Run, groups: pl.DataFrame | None) -> int | None:
-    """k for pass@k: run.json group_size, else the modal train group size."""
+def resolve_pass_k(run: Run, sizes: pl.DataFrame | None) -> int | None:
+    """k for pass@k: run.json group_size, else the modal train group size (the larger of a
+    tie) of the `group_sizes`."""
     if run.meta.get("group_size"):
         return int(run.meta["group_size"])
-    if groups is None or groups.height == 0 or "n" not in groups.columns:
+    if sizes is None:
         return None
-    sizes = groups.filter(pl.col("split") == "train")["n"]
-    if sizes.len() == 0:
+    counts = sizes.filter(pl.col("split") == "train").group_by("n").agg(pl.col("groups").sum())
+    if counts.height == 0:
         return None
-    return int(sizes.mode().sort().item(-1))
+    return int(counts.filter(pl.col("groups") == pl.col("groups").max()).select(pl.max("n")).item())
 
 
 def compute(
@@ -282,8 +299,6 @@ def compute(
     by_level: dict[tuple[str, str], list[Variant]] = {}
     for variant in chosen.values():
         by_level.setdefault((variant.table, variant.level), []).append(variant)
-    if ("rollouts", "") in by_level:  # group sizes, always: the header counts rollouts by them
-        by_level["rollouts", ""].append(Variant("rollouts", (), _no_series, GROUP_SIZE))
     if logged:
         partials = {
             f"logged:{c}": pl.col(c).cast(pl.Float64).mean() for c in dict.fromkeys(logged.values())
@@ -348,32 +363,43 @@ def compute(
     for level in token_levels:
         levels.append(("tokens", level))
         collected.append(token_frames[level])
-    rollout_level = (
-        RolloutLevel.of(run, chosen, by_level[ROLLOUT_LEVEL], available, context)
-        if ROLLOUT_LEVEL in by_level
-        else None
-    )
+    if ("steps", "") in by_level and "steps" in run.tables:
+        read = _steps_reader(run, by_level["steps", ""], context)
+        counted["steps", ""] = read.counted
+        frames, table_reads["steps"] = read_step_local(
+            run, "steps", read.names, read.frames_of, store=store, fingerprint=read.fingerprint
+        )
+        levels.append(("steps", ""))
+        collected.append(frames["level"])
+    # The rollouts table: the group sizes first (pass@k's k is the modal one), then the series.
+    rollout_series: RolloutSeries | None = None
     series_frames: dict[str, pl.DataFrame] = {}
-    for table in ("steps", "rollouts"):
-        wanted = (table, "") in by_level or (table == "rollouts" and rollout_level is not None)
-        if table not in run.tables or not wanted:
-            continue
-        read = _reader_for(run, table, by_level.get((table, "")), rollout_level, context)
-        if table == "steps":
-            counted[table, ""] = read.counted
-        frames, table_reads[table] = read_step_local(
+    sizes = pl.DataFrame(schema=SIZES_SCHEMA)
+    if "rollouts" in run.tables and any(level in by_level for level in LEVELS):
+        read_sizes, sizes_read = read_step_local(
             run,
-            table,
+            "rollouts",
+            ["sizes"],
+            lambda part: {"sizes": group_sizes(part)},
+            store=store,
+            fingerprint=steplocal_fingerprint(run, "rollouts", [group_sizes, valid_rollout()]),
+            index=index.get("rollouts"),
+        )
+        sizes = read_sizes.get("sizes", sizes)
+        context.pass_k = resolve_pass_k(run, sizes)
+        rollout_series = RolloutSeries.of(run, chosen, by_level, available, context)
+        read = _rollouts_reader(run, rollout_series, context)
+        series_frames, table_reads["rollouts"] = read_step_local(
+            run,
+            "rollouts",
             read.names,
             read.frames_of,
             store=store,
             fingerprint=read.fingerprint,
-            index=index.get(table),
+            index=index.get("rollouts"),
         )
-        if "level" in frames:
-            levels.append((table, ""))
-            collected.append(frames.pop("level"))
-        series_frames |= {name.removeprefix("series:"): f for name, f in frames.items()}
+        if sizes_read.files_read > table_reads["rollouts"].files_read:  # its cache was damaged
+            table_reads["rollouts"] = sizes_read
     run.check_unchanged()  # every file read is the one listed at open
     aggregates = {}
     for key, frame in zip(levels, collected, strict=True):
@@ -389,20 +415,25 @@ def compute(
                 )
             frame = frame.drop(ROWS, *(INVALID_PREFIX + c for c in columns))
         aggregates[key] = frame.filter(pl.col("step").is_not_null())
+    if rollout_series is not None:
+        aggregates[GROUP_SIZES] = sizes
 
-    context.pass_k = resolve_pass_k(run, aggregates.get(("rollouts", "")))
     context.aggregates = aggregates
-    ids = [i for i in chosen if (chosen[i].table, chosen[i].level) != ROLLOUT_LEVEL]
+    ids = [i for i in chosen if (chosen[i].table, chosen[i].level) not in LEVELS]
     series_queries = [
         chosen[i].series(aggregates[chosen[i].table, chosen[i].level].lazy(), context) for i in ids
     ]
     frames = dict(zip(ids, _collect(series_queries, "computing metrics"), strict=True))
     alternates: dict[str, pl.DataFrame] = {}
-    if rollout_level is not None:
-        frames |= {i: series_frames[i] for i in rollout_level.direct}
-        alternates = {i: series_frames[i].sort("step") for i in rollout_level.fallback}
-        train_steps = _train_steps(run, aggregates.get(("rollouts", "")))
-        recent = rollout_level.recent(run, train_steps, index.get("rollouts"))
+    if rollout_series is not None:
+        for name in rollout_series.series:
+            kind, metric_id = name.split(":", 1)
+            frame = series_frames.get(name, EMPTY_SERIES)
+            if kind == "series":
+                frames[metric_id] = frame
+            else:
+                alternates[metric_id] = frame.sort("step")
+        recent = rollout_series.recent(run, _train_steps(sizes), index.get("rollouts"))
         if recent is not None:
             aggregates[ROLLOUT_LEVEL] = recent
         ids = list(chosen)
@@ -416,15 +447,14 @@ def compute(
         values = _floats(frame["value"])
         steps = [int(s) for s in frame["step"].to_list()]
         if not any(v is not None for v in values):
-            source = aggregates.get((variant.table, variant.level), pl.DataFrame())
-            reason = _empty_reason(frame, variant, source)
+            reason = _empty_reason(frame, variant, sizes)
             after = metric.variants.index(variant) + 1
             nxt = choose_variant(metric, run, after)
             found = (
                 None
                 if isinstance(nxt, str)
                 else alternates.get(metric_id)
-                if (nxt.table, nxt.level) == ROLLOUT_LEVEL
+                if (nxt.table, nxt.level) in LEVELS
                 else _from_aggregates(nxt, aggregates, context)
             )
             if isinstance(nxt, str):
@@ -439,7 +469,7 @@ def compute(
             values = _floats(frame["value"])
             steps = [int(s) for s in frame["step"].to_list()]
             if not any(v is not None for v in values):
-                reason = _empty_reason(frame, variant, source)
+                reason = _empty_reason(frame, variant, sizes)
                 skipped.append(Skipped(metric_id, reason, metric.layer))
                 continue
         notes = tuple(
@@ -481,60 +511,61 @@ def compute(
 
 
 @dataclass(frozen=True)
-class RolloutLevel:
-    """The per-rollout level's work: its partials and prelude, the chosen metrics' variants
-    (`direct`) and the per-rollout fallbacks of other metrics computed from the same rows."""
+class RolloutSeries:
+    """The series of the rollouts table's two levels, per group (GROUP_LEVEL) and per rollout
+    (ROLLOUT_LEVEL), and of the later variants they can fall back to from the same partials:
+    computed over ranges of whole steps, so neither level is ever held whole."""
 
-    partials: dict[str, pl.Expr]
-    prelude: dict[str, pl.Expr]
-    direct: dict[str, Variant]
-    fallback: dict[str, Variant]
+    group_partials: dict[str, pl.Expr]
+    partials: dict[str, pl.Expr]  # per rollout
+    prelude: dict[str, pl.Expr]  # per rollout, dropped once the partials are computed
+    # Frame name ("series:<id>", or "fallback:<id>" for the next variant) -> variant.
+    series: dict[str, Variant]
 
     @classmethod
     def of(
         cls,
         run: Run,
         chosen: Mapping[str, Variant],
-        variants: list[Variant],
+        by_level: Mapping[tuple[str, str], list[Variant]],
         available: Mapping[str, Metric],
         ctx: MetricContext,
-    ) -> RolloutLevel:
-        partials = _merged_partials(variants, ctx)
-        direct = {i: v for i, v in chosen.items() if (v.table, v.level) == ROLLOUT_LEVEL}
-        fallback = {}
+    ) -> RolloutSeries:
+        computed = {level: _merged_partials(by_level.get(level, []), ctx) for level in LEVELS}
+        series = {f"series:{i}": v for i, v in chosen.items() if (v.table, v.level) in LEVELS}
         for metric_id, variant in chosen.items():
-            if metric_id in direct:
-                continue
             metric = available[metric_id]
             nxt = choose_variant(metric, run, metric.variants.index(variant) + 1)
             if (
                 not isinstance(nxt, str)
-                and (nxt.table, nxt.level) == ROLLOUT_LEVEL
-                and set(nxt.resolve_partials(ctx)) <= set(partials)
+                and (nxt.table, nxt.level) in LEVELS
+                and set(nxt.resolve_partials(ctx)) <= set(computed[nxt.table, nxt.level])
             ):
-                fallback[metric_id] = nxt
-        prelude = _merged_partials(variants, ctx, prelude=True)
-        return cls(partials, prelude, direct, fallback)
-
-    @property
-    def series(self) -> dict[str, Variant]:
-        return {**self.direct, **self.fallback}
+                series[f"fallback:{metric_id}"] = nxt
+        prelude = _merged_partials(by_level.get(ROLLOUT_LEVEL, []), ctx, prelude=True)
+        return cls(computed[GROUP_LEVEL], computed[ROLLOUT_LEVEL], prelude, series)
 
     def frames(self, run: Run, ctx: MetricContext) -> dict[str, pl.DataFrame]:
         """Every series' per-step frame, over ranges of whole steps of at most ROLLOUT_CHUNK
-        rollouts: a range's rows are computed, every per-rollout series (all are per step) is
-        run on them, and they are dropped, so the memory is one range's whatever the number
-        of responses."""
-        parts: dict[str, list[pl.DataFrame]] = {i: [] for i in self.series}
-        for lo, hi in rollout_ranges(run):
-            rows = self._rows(run, (lo, hi), self.partials)
-            done = _collect(
-                [v.series(rows.lazy(), ctx) for v in self.series.values()], "computing metrics"
-            )
-            for metric_id, frame in zip(self.series, done, strict=True):
-                parts[metric_id].append(frame)
-        empty = pl.DataFrame(schema={"step": pl.Int64, "value": pl.Float64})
-        return {i: pl.concat(p, how="diagonal_relaxed") if p else empty for i, p in parts.items()}
+        rollouts: a range's groups and rollouts are computed, every series (all are per
+        step) is run on them, and they are dropped, so the memory is one range's whatever the
+        number of responses."""
+        parts: dict[str, list[pl.DataFrame]] = {name: [] for name in self.series}
+        steps, counts = step_counts(run)
+        for level, limit in ((GROUP_LEVEL, GROUP_CHUNK), (ROLLOUT_LEVEL, ROLLOUT_CHUNK)):
+            names = [n for n, v in self.series.items() if (v.table, v.level) == level]
+            for lo_hi in _step_ranges(steps, counts, limit) if names else []:
+                if level == GROUP_LEVEL:
+                    query = aggregate_query(run, "rollouts", "", self.group_partials, steps=lo_hi)
+                    source = _collect([query], "reading rollouts", run, ["rollouts"])[0]
+                else:
+                    source = self._rows(run, lo_hi, self.partials)
+                series = [self.series[n].series(source.lazy(), ctx) for n in names]
+                for name, frame in zip(names, _collect(series, "computing metrics"), strict=True):
+                    parts[name].append(frame)
+        return {
+            n: pl.concat(p, how="diagonal_relaxed") if p else EMPTY_SERIES for n, p in parts.items()
+        }
 
     def recent(
         self, run: Run, train_steps: pl.DataFrame, index: FileIndex | None = None
@@ -542,9 +573,9 @@ class RolloutLevel:
         """The rows of the final window's train steps that findings name example rollouts
         from (the latest RECENT_ROLLOUTS at most), without the MinHash signature; `train_steps`
         holds the train rollouts per step (`step`, `len`); with the rollouts' `index`, only
-        the files holding those steps are read."""
+        the files holding those steps are read. None without per-rollout partials."""
         steps = train_steps.sort("step")
-        if steps.height == 0:
+        if steps.height == 0 or not self.partials:
             return None
         window = steps.tail(window_size(steps.height))
         latest = window.filter(pl.col("len").reverse().cum_sum().reverse() <= RECENT_ROLLOUTS)
@@ -566,7 +597,7 @@ class RolloutLevel:
 @dataclass(frozen=True)
 class _TableReader:
     """What `compute` reads of the steps or rollouts table, per file (rlscope.steplocal):
-    frame "level" (the table's aggregates) and "series:<id>" (per-rollout series)."""
+    frame "level" (the steps table's aggregates), or the rollouts table's series."""
 
     names: list[str]
     frames_of: Callable[[Run], dict[str, pl.DataFrame]]
@@ -574,81 +605,75 @@ class _TableReader:
     counted: list[str]
 
 
-def _reader_for(
-    run: Run,
-    table: str,
-    variants: list[Variant] | None,
-    rollout_level: RolloutLevel | None,
-    ctx: MetricContext,
-) -> _TableReader:
-    """How the table's per-file results are computed and fingerprinted: its aggregates (with
-    the steps table's NaN/inf counts) and, for rollouts, the per-rollout series."""
-    partials = _merged_partials(variants or [], ctx)
-    prelude = _merged_partials(variants or [], ctx, prelude=True)
-    # NaN/inf counts ride along the steps scan (rollouts: the reader counts them over all rows,
-    # before rows are left out).
-    counted = _float_columns_used(run, table, partials) if table == "steps" else []
-    series = rollout_level.series if table == "rollouts" and rollout_level else {}
-    names = (["level"] if variants else []) + [f"series:{i}" for i in series]
+def _steps_reader(run: Run, variants: list[Variant], ctx: MetricContext) -> _TableReader:
+    """The steps table's per-file aggregates, with the NaN/inf counts of the float columns
+    the partials read (they ride along the scan)."""
+    partials = _merged_partials(variants, ctx)
+    prelude = _merged_partials(variants, ctx, prelude=True)
+    counted = _float_columns_used(run, "steps", partials)
 
     def frames_of(part: Run) -> dict[str, pl.DataFrame]:
-        out = {}
-        if variants and table == "rollouts":
-            # Range by range: per-group extremes (sort_by) keep a query off the streaming engine.
-            ranges: list[tuple[int, int] | None] = [*rollout_ranges(part)] or [None]
-            levels = [
-                _collect(
-                    [aggregate_query(part, table, "", partials, steps=steps)],
-                    f"reading {table}",
-                    part,
-                    [table],
-                )[0]
-                for steps in ranges
-            ]
-            out["level"] = pl.concat(levels, how="diagonal_relaxed")
-        elif variants:
-            query = aggregate_query(part, table, "", partials, counted, prelude)
-            out["level"] = _collect([query], f"reading {table}", part, [table])[0]
-        if series and rollout_level is not None:
-            for metric_id, frame in rollout_level.frames(part, ctx).items():
-                out[f"series:{metric_id}"] = frame
-        return out
+        query = aggregate_query(part, "steps", "", partials, counted, prelude)
+        return {"level": _collect([query], "reading steps", part, ["steps"])[0]}
 
-    described: list[Any] = [names, partials, prelude, counted]
-    if rollout_level is not None and series:
-        described += [rollout_level.partials, rollout_level.prelude, ctx.text]
-        described += [(i, v.series) for i, v in series.items()]
-    return _TableReader(names, frames_of, steplocal_fingerprint(run, table, described), counted)
-
-
-def _train_steps(run: Run, groups: pl.DataFrame | None) -> pl.DataFrame:
-    """Train rollouts per step (`step`, `len`): from the group sizes when computed, else read."""
-    if groups is not None and "n" in groups.columns:
-        return (
-            groups.filter(pl.col("split") == "train")
-            .group_by("step")
-            .agg(pl.col("n").sum().alias("len"))
-        )
-    query = (
-        run.scan("rollouts")
-        .filter(valid_rollout() & (pl.col("split") == "train"))
-        .group_by("step")
-        .len()
+    described: list[Any] = [partials, prelude, counted]
+    return _TableReader(
+        ["level"], frames_of, steplocal_fingerprint(run, "steps", described), counted
     )
-    return _collect([query], "reading rollouts", run, ["rollouts"])[0]
 
 
-def rollout_ranges(run: Run) -> list[tuple[int, int]]:
-    """Consecutive ranges of whole steps of at most ROLLOUT_CHUNK valid rollouts each (a step
-    with more is a range of its own): what the rollouts' per-rollout and per-group levels are
-    computed in, one range at a time, so their memory is a range's whatever the run's size."""
+def _rollouts_reader(run: Run, series: RolloutSeries, ctx: MetricContext) -> _TableReader:
+    """The rollouts table's per-file series (`RolloutSeries`); pass@k's k is part of what
+    makes them."""
+    described: list[Any] = [series.group_partials, series.partials, series.prelude, ctx.text]
+    described += [ctx.pass_k, [(n, v.series) for n, v in series.series.items()]]
+    return _TableReader(
+        list(series.series),
+        lambda part: series.frames(part, ctx),
+        steplocal_fingerprint(run, "rollouts", described),
+        [],
+    )
+
+
+def group_sizes(run: Run) -> pl.DataFrame:
+    """The groups of each size per split and step (`split`, `step`, `n`, `groups`), valid
+    rollouts only: what the header counts, pass@k's k and the train rollouts per step come
+    from, without keeping a row per group (counted in ranges of whole steps of at most
+    SIZES_CHUNK rollouts: the group-by's table is a range's groups)."""
+    parts = []
+    for steps in _step_ranges(*step_counts(run), SIZES_CHUNK):
+        query = (
+            run.scan("rollouts")
+            .filter(valid_rollout() & pl.col("step").is_between(*steps))
+            .group_by(GROUP_KEYS)
+            .agg(**GROUP_SIZE)
+            .group_by("split", "step", "n")
+            .agg(pl.len().cast(pl.Int64).alias("groups"))
+        )
+        parts += _collect([query], "reading rollouts", run, ["rollouts"])
+    return pl.concat(parts) if parts else pl.DataFrame(schema=SIZES_SCHEMA)
+
+
+def _train_steps(sizes: pl.DataFrame) -> pl.DataFrame:
+    """Train rollouts per step (`step`, `len`) from the `group_sizes`."""
+    return (
+        sizes.filter(pl.col("split") == "train")
+        .group_by("step")
+        .agg((pl.col("n") * pl.col("groups")).sum().alias("len"))
+    )
+
+
+def step_counts(run: Run) -> tuple[list[int], list[int]]:
+    """The valid rollouts per step (steps in order, counts): what the rollouts' levels are cut
+    into ranges of whole steps by (`_step_ranges`), one range computed at a time, so their
+    memory is a range's whatever the run's size."""
     counts = _collect(
         [run.scan("rollouts").filter(valid_rollout()).group_by("step").len().sort("step")],
         "reading rollouts",
         run,
         ["rollouts"],
     )[0]
-    return _step_ranges(counts["step"].to_list(), counts["len"].to_list(), ROLLOUT_CHUNK)
+    return counts["step"].to_list(), counts["len"].to_list()
 
 
 def _step_ranges(steps: list[int], counts: list[int], limit: int) -> list[tuple[int, int]]:
@@ -692,12 +717,13 @@ def _merged(main: Computed, again: Computed, order: list[str]) -> Computed:
     )
 
 
-def _empty_reason(frame: pl.DataFrame, variant: Variant, source: pl.DataFrame) -> str:
+def _empty_reason(frame: pl.DataFrame, variant: Variant, sizes: pl.DataFrame) -> str:
+    """Why a variant gave no value at any step (`sizes`: the run's `group_sizes`)."""
     if variant.empty_reason:
         return variant.empty_reason
-    if variant.table == "rollouts" and variant.level == "" and "n" in source.columns:
-        sizes = source.filter(pl.col("split") == "train")["n"]
-        if sizes.len() and sizes.max() == 1:
+    if (variant.table, variant.level) == GROUP_LEVEL:
+        train = sizes.filter(pl.col("split") == "train")["n"]
+        if train.len() and train.max() == 1:
             return (
                 "every train group has one rollout (e.g. PPO with a critic): this metric needs "
                 "several rollouts of one prompt"

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import final_window
 
+from rlscope.analysis import analyze
 from rlscope.engine import compute
 from rlscope.reader import open_run
 
@@ -323,6 +324,53 @@ def test_pass_at_k_skipped_when_no_group_reaches_k(write_run: WriteRun) -> None:
         assert metric not in computed.results
         assert "k" in reasons[metric] and "group_size" in reasons[metric]
     assert "signal.pass_at_1" in computed.results
+
+
+def test_modal_group_size_and_counts_come_from_the_group_sizes(write_run: WriteRun) -> None:
+    """k = the modal train group size, the larger of a tie; eval groups (more, and larger) do
+    not count; the header's rollouts, train groups and eval rollouts are the rows' own counts,
+    in the step range; a rollout without a reward is in none of them."""
+    rows: dict[str, list[Any]] = {k: [] for k in ("rollout_id", "step", "split", "prompt_id")}
+    rows["reward"] = []
+    sizes = {1: [4, 6, 3], 2: [6, 4], 3: [4, 6, 5]}  # train: 4 x3, 6 x3, 3, 5
+    for step, groups in sizes.items():
+        for g, n in enumerate(groups):
+            for _ in range(n):
+                rows["step"].append(step), rows["split"].append("train")
+                rows["prompt_id"].append(f"p{g}"), rows["reward"].append(1.0 if g else 0.0)
+        for g in range(4):  # four eval groups of 10 per step
+            for _ in range(10):
+                rows["step"].append(step), rows["split"].append("eval")
+                rows["prompt_id"].append(f"e{g}"), rows["reward"].append(0.5)
+    rows["rollout_id"] = list(range(len(rows["step"])))
+    rows["response_len"] = [5] * len(rows["step"])
+    rows["reward"][0] = None  # left out: a group of 3 at step 1
+    half = len(rows["step"]) // 2
+    path = write_run(
+        {
+            "rollouts": [
+                {k: v[:half] for k, v in rows.items()},
+                {k: v[half:] for k, v in rows.items()},
+            ]
+        }
+    )
+    report = analyze(path, use_cache=False)
+    assert report.metrics["signal.pass_at_k"].extra["k"] == 6
+    assert report.run.n_rollouts == (13 - 1) + 10 + 15 + 3 * 40
+    assert report.run.n_groups == 8
+    assert report.run.n_eval_rollouts == 120
+    ranged = analyze(path, use_cache=False, steps=(2, 3))
+    assert ranged.metrics["signal.pass_at_k"].extra["k"] == 6  # 4, 6, 4, 6, 5: a tie
+    assert (ranged.run.n_rollouts, ranged.run.n_groups, ranged.run.n_eval_rollouts) == (
+        10 + 15 + 2 * 40,
+        5,
+        80,
+    )
+    only = analyze(path, use_cache=False, steps=(1, 1))
+    assert only.metrics["signal.pass_at_k"].extra["k"] == 3  # 3 (4, one left out), 6, 3
+    # ...but with run.json's group_size that is k.
+    fixed = analyze(write_run({"rollouts": rows}, group_size=4), use_cache=False)
+    assert fixed.metrics["signal.pass_at_k"].extra["k"] == 4
 
 
 # ---------------------------------------------------------------- effective batch, tiers

@@ -383,14 +383,18 @@ def test_default_settings_are_the_documented_ones() -> None:
     assert settings.tags.tool_response == ("tool_response", "information")
 
 
-@pytest.mark.parametrize("scenario", ["diversity-collapse", "self-consistency-headroom"])
-def test_per_rollout_level_in_step_ranges_gives_the_one_pass_answers(
+@pytest.mark.parametrize(
+    "scenario", ["diversity-collapse", "self-consistency-headroom", "ood-gap", "dead-prompts"]
+)
+def test_rollout_levels_in_step_ranges_give_the_one_pass_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scenario: str
 ) -> None:
-    """The per-rollout level computed a few steps at a time (ROLLOUT_CHUNK forced to under two
-    steps of rollouts, so every step is a range of its own, and to three steps' worth): every
-    metric and finding, with its example rollouts, is the one-range answer; the rows kept for
-    examples are the final window's train rollouts only, without the MinHash signature."""
+    """The per-group and per-rollout levels and the group sizes computed a few steps at a
+    time (their range limits forced to under two steps of rollouts, so every step is a range
+    of its own, and to three steps' worth): every metric (pass@k, eval splits, extremes...)
+    and finding, with its example rollouts, is the one-range answer; the rows kept for
+    examples are the final window's train rollouts only, without the MinHash signature; no
+    per-group frame is kept."""
     from rlscope import engine
     from rlscope.analysis import analyze
     from rlscope.synth import generate
@@ -405,8 +409,12 @@ def test_per_rollout_level_in_step_ranges_gives_the_one_pass_answers(
     assert len(steps) == 20
     assert sorted(set(recent["step"].to_list())) == steps[-3:]  # the final window of 20 steps
     assert not [c for c in recent.columns if c.startswith("minhash_")]
+    assert engine.GROUP_LEVEL not in computed.aggregates
+    sizes = computed.aggregates[engine.GROUP_SIZES]  # a row per (split, step, size) only
+    assert sizes.height == sizes.select("split", "step", "n").n_unique() < 2 * 20 * 2
     for chunk in (4 * 6 + 5, 3 * 4 * 6):
-        monkeypatch.setattr(engine, "ROLLOUT_CHUNK", chunk)
+        for limit in ("ROLLOUT_CHUNK", "GROUP_CHUNK", "SIZES_CHUNK"):
+            monkeypatch.setattr(engine, limit, chunk)
         ranged = analyze(run, use_cache=False).to_dict()
         assert_json_close(ranged["metrics"], whole["metrics"])
         assert_json_close(ranged["findings"], whole["findings"])

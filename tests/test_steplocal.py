@@ -195,7 +195,8 @@ def test_the_fingerprint_is_the_same_in_another_process(grown: tuple[Path, Path]
         ).stdout
         for seed in ("1", "2")
     ]
-    assert prints[0] == prints[1] and len(json.loads(prints[0].replace("'", '"'))) == 2
+    # The steps table's, the rollouts' group sizes', the rollouts' series'.
+    assert prints[0] == prints[1] and len(json.loads(prints[0].replace("'", '"'))) == 3
     assert fingerprint(open_run(whole), "steps", [pl.col("x").sum()]) != fingerprint(
         open_run(whole), "steps", [pl.col("x").mean()]
     )
@@ -219,7 +220,8 @@ def test_an_unwritable_cache_costs_speed_not_results(
 #: results still hold when only a file's index, read again, is damaged).
 DAMAGED: dict[str, set[str]] = {
     "files.arrow": {"rollouts", "steps", "probes"},
-    "level.arrow": {"rollouts", "steps"},
+    "level.arrow": {"steps"},
+    "sizes.arrow": {"rollouts"},
     "steps_of.arrow": set(),
     "ids_of.arrow": set(),
     "checks_of.arrow": set(),
