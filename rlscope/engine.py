@@ -218,14 +218,21 @@ def probes_query(run: Run, *, file_index: bool = False) -> pl.LazyFrame:
     """Probes joined with their rollout's step, split and answer (`original_answer`, null when
     the rollouts table has no answer column). Probes carry no step: the step range applies
     through their rollout. Probes of unknown rollouts are counted in the reader's warnings.
-    With `file_index`, the probes file's FILE_INDEX."""
+    With `file_index`, the probes file's FILE_INDEX.
+
+    The probed ids are read first, and the rollouts filtered to them as they stream: the
+    join's table is the probed rollouts', not every rollout's (5M responses: 0.34 -> 0.06 GiB)."""
     answer = pl.col("answer") if run.has("rollouts", "answer") else pl.lit(None, pl.String)
+    probes = replace(run, step_range=(None, None)).scan("probes", file_index=file_index)
+    try:
+        probed = probes.select(pl.col("rollout_id").unique()).collect()["rollout_id"]
+    except (pl.exceptions.PolarsError, OSError) as exc:
+        raise scan_error(run, ["probes"], "reading probes", exc) from None
     rollouts = (
         run.scan("rollouts")
-        .filter(valid_rollout())
+        .filter(valid_rollout() & pl.col("rollout_id").is_in(probed.implode()))
         .select("rollout_id", "step", "split", answer.alias("original_answer"))
     )
-    probes = replace(run, step_range=(None, None)).scan("probes", file_index=file_index)
     return probes.join(rollouts, on="rollout_id", how="inner")
 
 

@@ -725,20 +725,26 @@ def index_names(table: str) -> list[str]:
 
 def read_index(run: Run, table: str, files: Sequence[int]) -> dict[str, pl.DataFrame]:
     """The index frames of `table`'s `files` (FILE_INDEX: the index in the table's files),
-    read in batches of consecutive files of at most INDEX_BATCH_ROWS rows (a larger file
-    alone), so the memory is a batch's whatever the table's size."""
+    read in batches of consecutive files of at most INDEX_BATCH_ROWS rows, a larger file alone
+    in slices of that many rows, so the memory is a batch's whatever the files' sizes."""
     rows = run.tables[table].file_rows
-    batches: list[list[int]] = []
+    batches: list[tuple[list[int], tuple[int, int] | None]] = []  # files, rows of a large one
     total = 0
     for i in files:
-        if not batches or total + rows[i] > INDEX_BATCH_ROWS:
-            batches.append([])
+        if rows[i] > INDEX_BATCH_ROWS:
+            step = INDEX_BATCH_ROWS
+            batches += [([i], (offset, step)) for offset in range(0, rows[i], step)]
+            continue
+        if not batches or batches[-1][1] is not None or total + rows[i] > INDEX_BATCH_ROWS:
+            batches.append(([], None))
             total = 0
-        batches[-1].append(i)
+        batches[-1][0].append(i)
         total += rows[i]
     parts: dict[str, list[pl.DataFrame]] = {name: [] for name in index_names(table)}
-    for batch in batches:
+    for batch, rows_of_file in batches:
         local = run.only(table, batch).scan(table, file_index=True, invalid_flags=True)
+        if rows_of_file is not None:
+            local = local.slice(*rows_of_file)  # Polars reads only the row groups it spans
         original = pl.col(FILE_INDEX).replace_strict(dict(enumerate(batch)), return_dtype=pl.Int64)
         queries = index_queries(run, table, local)
         try:
@@ -747,13 +753,31 @@ def read_index(run: Run, table: str, files: Sequence[int]) -> dict[str, pl.DataF
             raise scan_error(run, [table], f"reading {table}", exc) from None
         for name, frame in zip(queries, found, strict=True):
             parts[name].append(frame)
-    return {
+    index = {
         name: pl.concat(
             [pl.DataFrame(schema={FILE_INDEX: pl.Int64, **INDEX_COLUMNS[name]}), *frames],
             how="diagonal_relaxed",
         )
         for name, frames in parts.items()
     }
+    if any(sliced is not None for _, sliced in batches):
+        index = {name: _slices_merged(name, frame) for name, frame in index.items()}
+    return index
+
+
+def _slices_merged(name: str, frame: pl.DataFrame) -> pl.DataFrame:
+    """An index frame with a file's slices as one: its steps once, its counts summed. (Its
+    runs of ids stay as found: a run cut at a slice's edge is two runs that do not overlap,
+    so no id is taken for a duplicate.)"""
+    if name == STEPS_OF:
+        return frame.unique(maintain_order=True)
+    if name == CHECKS_OF:
+        return frame.group_by(FILE_INDEX, maintain_order=True).agg(pl.all().sum())
+    if name == PROBED:
+        return frame.group_by(FILE_INDEX, "rollout_id", maintain_order=True).agg(
+            pl.col("len").sum()
+        )
+    return frame
 
 
 def files_of_ids(id_runs: pl.DataFrame, ids: pl.DataFrame) -> pl.DataFrame:

@@ -24,9 +24,11 @@ from rlscope.cache import PartialCache
 from rlscope.engine import compute
 from rlscope.errors import RlscopeError
 from rlscope.reader import (
+    FILE_INDEX,
     INVALID_PREFIX,
     MAX_RESPONSE_LEN,
     ROLLOUTS_FILE,
+    STEPS_OF,
     check_from_index,
     check_rollouts,
     check_rollouts_scan,
@@ -394,14 +396,19 @@ def test_the_rollouts_check_from_each_file_s_index(tmp_path: Path, seed: int) ->
             assert found == expected
 
 
-def test_files_of_ids_finds_the_file_of_every_id(tmp_path: Path) -> None:
-    """Each id's file from the runs of ids (ids interleaved across files, gaps, negative):
-    the file that holds it, and no row for an id no file holds."""
+@pytest.mark.parametrize("batch_rows", [250_000, 7])
+def test_files_of_ids_finds_the_file_of_every_id(tmp_path: Path, batch_rows: int) -> None:
+    """Each id's file from the runs of ids (ids interleaved across files, gaps, negative),
+    each file read whole or in slices of 7 rows: the file that holds it, and no row for an id
+    no file holds; each file's steps once."""
     rng = np.random.default_rng(0)
     ids = rng.permutation(np.arange(-50, 150))[:120]
     id_files = [ids[i::3].tolist() for i in range(3)]
     run = open_run(_ids_run(tmp_path / "run", id_files, [0], 0), check_rollouts=False)
-    index = file_index(run, "rollouts", PartialCache(tmp_path / "cache"))
+    with mock.patch("rlscope.reader.INDEX_BATCH_ROWS", batch_rows):
+        index = file_index(run, "rollouts", PartialCache(tmp_path / "cache"))
+    steps = run.scan("rollouts", file_index=True).select(FILE_INDEX, "step").unique().collect()
+    assert index.frames[STEPS_OF].sort(FILE_INDEX, "step").equals(steps.sort(FILE_INDEX, "step"))
     where = {i: f for f, part in enumerate(id_files) for i in part}
     asked = pl.DataFrame({"rollout_id": list(range(-60, 160))})
     found = index.files_of_ids(asked)
