@@ -11,7 +11,7 @@ import polars as pl
 from rlscope.cache import PartialCache, import_cache_dir
 from rlscope.catalog import Catalog
 from rlscope.config import Config, load_config
-from rlscope.engine import GROUP_SIZES, Computed, compute
+from rlscope.engine import SIZES_LEVEL, Computed, compute
 from rlscope.errors import RlscopeError
 from rlscope.evaluation import evaluate
 from rlscope.reader import Run, open_run
@@ -71,7 +71,7 @@ def analyze(
     run.check_unchanged()  # what was scanned is still the snapshot taken at open
     findings, rule_skips, judged = evaluate(computed, config, catalog)
 
-    sizes = computed.aggregates.get(GROUP_SIZES)
+    sizes = computed.aggregates.get(SIZES_LEVEL)
     rollouts = pl.col("n") * pl.col("groups")
     counts = (
         sizes.select(

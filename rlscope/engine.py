@@ -50,7 +50,7 @@ GROUP_LEVEL = ("rollouts", "")
 ROLLOUT_LEVEL = ("rollouts", "rollout")
 LEVELS = (GROUP_LEVEL, ROLLOUT_LEVEL)
 #: Computed.aggregates' key of the groups of each size per split and step (`group_sizes`).
-GROUP_SIZES = ("rollouts", "sizes")
+SIZES_LEVEL = ("rollouts", "sizes")
 SIZES_SCHEMA = {"split": pl.String, "step": pl.Int64, "n": pl.Int64, "groups": pl.Int64}
 #: A series with no step.
 EMPTY_SERIES = pl.DataFrame(schema={"step": pl.Int64, "value": pl.Float64})
@@ -80,7 +80,9 @@ class Computed:
     results: dict[str, MetricResult]
     frames: dict[str, pl.DataFrame]
     skipped: tuple[Skipped, ...]
-    aggregates: dict[tuple[str, str], pl.DataFrame]  # (table, level) -> partial aggregates
+    # (table, level) -> partial aggregates: the tokens', steps' and probes' levels, the
+    # rollouts' SIZES_LEVEL and the final window's per-rollout rows (ROLLOUT_LEVEL).
+    aggregates: dict[tuple[str, str], pl.DataFrame]
     context: MetricContext
     # Data problems met while scanning (NaN/inf counts, tokens without a rollout).
     warnings: tuple[str, ...] = ()
@@ -423,7 +425,7 @@ def compute(
             frame = frame.drop(ROWS, *(INVALID_PREFIX + c for c in columns))
         aggregates[key] = frame.filter(pl.col("step").is_not_null())
     if rollout_series is not None:
-        aggregates[GROUP_SIZES] = sizes
+        aggregates[SIZES_LEVEL] = sizes
 
     context.aggregates = aggregates
     ids = [i for i in chosen if (chosen[i].table, chosen[i].level) not in LEVELS]

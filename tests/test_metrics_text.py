@@ -410,7 +410,7 @@ def test_rollout_levels_in_step_ranges_give_the_one_pass_answers(
     assert sorted(set(recent["step"].to_list())) == steps[-3:]  # the final window of 20 steps
     assert not [c for c in recent.columns if c.startswith("minhash_")]
     assert engine.GROUP_LEVEL not in computed.aggregates
-    sizes = computed.aggregates[engine.GROUP_SIZES]  # a row per (split, step, size) only
+    sizes = computed.aggregates[engine.SIZES_LEVEL]  # a row per (split, step, size) only
     assert sizes.height == sizes.select("split", "step", "n").n_unique() < 2 * 20 * 2
     for chunk in (4 * 6 + 5, 3 * 4 * 6):
         for limit in ("ROLLOUT_CHUNK", "GROUP_CHUNK", "SIZES_CHUNK"):
