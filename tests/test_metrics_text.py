@@ -384,7 +384,13 @@ def test_default_settings_are_the_documented_ones() -> None:
 
 
 @pytest.mark.parametrize(
-    "scenario", ["diversity-collapse", "self-consistency-headroom", "ood-gap", "dead-prompts"]
+    "scenario",
+    [
+        "diversity-collapse",  # per-rollout findings with example rollouts
+        "dead-prompts",  # per-group findings, pass@k
+        pytest.param("self-consistency-headroom", marks=pytest.mark.slow),
+        pytest.param("ood-gap", marks=pytest.mark.slow),  # eval splits
+    ],
 )
 def test_rollout_levels_in_step_ranges_give_the_one_pass_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scenario: str
