@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import polars as pl
@@ -397,14 +398,13 @@ def compute(
         sizes = read_sizes.get("sizes", sizes)
         context.pass_k = resolve_pass_k(run, sizes)
         rollout_series = RolloutSeries.of(run, chosen, by_level, available, context)
-        read = _rollouts_reader(run, rollout_series, context)
         series_frames, table_reads["rollouts"] = read_step_local(
             run,
             "rollouts",
-            read.names,
-            read.frames_of,
+            list(rollout_series.series),
+            partial(rollout_series.frames, ctx=context),
             store=store,
-            fingerprint=read.fingerprint,
+            fingerprint=rollout_series.fingerprint(run, context),
             index=index.get("rollouts"),
         )
         if sizes_read.files_read > table_reads["rollouts"].files_read:  # its cache was damaged
@@ -555,10 +555,10 @@ class RolloutSeries:
         return cls(computed[GROUP_LEVEL], computed[ROLLOUT_LEVEL], prelude, series)
 
     def frames(self, run: Run, ctx: MetricContext) -> dict[str, pl.DataFrame]:
-        """Every series' per-step frame, over ranges of whole steps of at most ROLLOUT_CHUNK
-        rollouts: a range's groups and rollouts are computed, every series (all are per
-        step) is run on them, and they are dropped, so the memory is one range's whatever the
-        number of responses."""
+        """Every series' per-step frame, over ranges of whole steps of at most GROUP_CHUNK
+        (per-group series) or ROLLOUT_CHUNK (per-rollout) rollouts: a range's groups or
+        rollouts are computed, every series of that level (all are per step) is run on them,
+        and they are dropped, so the memory is one range's whatever the number of responses."""
         parts: dict[str, list[pl.DataFrame]] = {name: [] for name in self.series}
         steps, counts = step_counts(run)
         for level, limit in ((GROUP_LEVEL, GROUP_CHUNK), (ROLLOUT_LEVEL, ROLLOUT_CHUNK)):
@@ -575,6 +575,12 @@ class RolloutSeries:
         return {
             n: pl.concat(p, how="diagonal_relaxed") if p else EMPTY_SERIES for n, p in parts.items()
         }
+
+    def fingerprint(self, run: Run, ctx: MetricContext) -> str:
+        """What a rollouts file's cached series depend on (pass@k's k among them)."""
+        described: list[Any] = [self.group_partials, self.partials, self.prelude, ctx.text]
+        described += [ctx.pass_k, [(n, v.series) for n, v in self.series.items()]]
+        return steplocal_fingerprint(run, "rollouts", described)
 
     def recent(
         self, run: Run, train_steps: pl.DataFrame, index: FileIndex | None = None
@@ -605,8 +611,8 @@ class RolloutSeries:
 
 @dataclass(frozen=True)
 class _TableReader:
-    """What `compute` reads of the steps or rollouts table, per file (rlscope.steplocal):
-    frame "level" (the steps table's aggregates), or the rollouts table's series."""
+    """What `compute` reads of the steps table, per file (rlscope.steplocal): frame "level"
+    (its aggregates), and the float columns whose NaN/inf are counted along."""
 
     names: list[str]
     frames_of: Callable[[Run], dict[str, pl.DataFrame]]
@@ -628,19 +634,6 @@ def _steps_reader(run: Run, variants: list[Variant], ctx: MetricContext) -> _Tab
     described: list[Any] = [partials, prelude, counted]
     return _TableReader(
         ["level"], frames_of, steplocal_fingerprint(run, "steps", described), counted
-    )
-
-
-def _rollouts_reader(run: Run, series: RolloutSeries, ctx: MetricContext) -> _TableReader:
-    """The rollouts table's per-file series (`RolloutSeries`); pass@k's k is part of what
-    makes them."""
-    described: list[Any] = [series.group_partials, series.partials, series.prelude, ctx.text]
-    described += [ctx.pass_k, [(n, v.series) for n, v in series.series.items()]]
-    return _TableReader(
-        list(series.series),
-        lambda part: series.frames(part, ctx),
-        steplocal_fingerprint(run, "rollouts", described),
-        [],
     )
 
 
