@@ -23,15 +23,18 @@ demo: $(CORE)
 	$(BIN)/rlscope analyze sample_logs/healthy --fail-on never
 	$(BIN)/rlscope analyze sample_logs/entropy-collapse --fail-on never
 
+# Tests in a process per core (pytest-xdist), at most 4: each holds up to ~0.7 GiB.
+PYTEST := $(BIN)/python -m pytest -n auto --maxprocesses 4
+
 test: $(STAMP)
 	$(BIN)/ruff check rlscope tests examples benchmarks
 	$(BIN)/ruff format --check rlscope tests examples benchmarks
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # The slow matrices (larger healthy-shape runs); CI runs them after `make test`.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow
+	$(PYTEST) -m slow
 
 test-all: test test-slow
 

@@ -388,8 +388,8 @@ def test_default_settings_are_the_documented_ones() -> None:
     [
         "diversity-collapse",  # per-rollout findings with example rollouts
         "dead-prompts",  # per-group findings, pass@k
-        pytest.param("self-consistency-headroom", marks=pytest.mark.slow),
-        pytest.param("ood-gap", marks=pytest.mark.slow),  # eval splits
+        "self-consistency-headroom",
+        "ood-gap",  # eval splits
     ],
 )
 def test_rollout_levels_in_step_ranges_give_the_one_pass_answers(

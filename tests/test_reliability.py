@@ -422,7 +422,6 @@ LIVE_FLUSH = 40
 LIVE_BATCHES = 1000
 
 
-@pytest.mark.slow  # 9 s: 25 analyses of a run being written
 def test_live_run_snapshot(tmp_path: Path) -> None:
     run = tmp_path / "live"
     stop = threading.Event()
