@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -120,10 +120,10 @@ def ensure_run(tokens: int, cache: Path = CACHE) -> Path:
     return path
 
 
-#: Runs a command and writes its wall seconds and peak RSS (KiB) to argv[1]. Linux counts in a
-#: child's peak RSS its parent's resident memory at fork (the copied address space's high-water
-#: mark survives exec): forked from this small process, the child's own peak is what is read,
-#: whatever the benchmark process holds.
+#: Runs a command and writes its wall seconds, peak RSS (KiB) and CPU seconds (user + system, its
+#: threads and children) to argv[1]. Linux counts in a child's peak RSS its parent's resident
+#: memory at fork (the copied address space's high-water mark survives exec): forked from this
+#: small process, the child's own peak is what is read, whatever the benchmark process holds.
 LAUNCHER = """
 import os, sys, time
 start = time.perf_counter()
@@ -132,15 +132,21 @@ if pid == 0:
     os.execvp(sys.argv[2], sys.argv[2:])
 _, status, usage = os.wait4(pid, 0)
 with open(sys.argv[1], "w") as out:
-    out.write(f"{time.perf_counter() - start} {usage.ru_maxrss}")
+    out.write(f"{time.perf_counter() - start} {usage.ru_maxrss} {usage.ru_utime + usage.ru_stime}")
 sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def timed(
+class Measured(NamedTuple):
+    seconds: float  # wall
+    rss_gib: float  # peak
+    cpu_seconds: float  # user + system
+
+
+def measure(
     cmd: list[str], env: dict[str, str] | None = None, stdout: Path | None = None
-) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GiB) of one child process (its output to `stdout` if given)."""
+) -> Measured:
+    """One child process (its output to `stdout` if given): wall and CPU seconds, peak RSS."""
     with tempfile.TemporaryDirectory() as folder:
         measured = Path(folder) / "measured"
         with open(stdout or os.devnull, "wb") as out:
@@ -148,8 +154,26 @@ def timed(
             status = subprocess.run(launched, stdout=out, env=env).returncode
         if status != 0:
             raise SystemExit(f"{cmd} failed with status {status}")
-        seconds, rss = measured.read_text().split()
-    return float(seconds), int(rss) / 2**20
+        seconds, rss, cpu = measured.read_text().split()
+    return Measured(float(seconds), int(rss) / 2**20, float(cpu))
+
+
+def timed(
+    cmd: list[str], env: dict[str, str] | None = None, stdout: Path | None = None
+) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GiB) of one child process (its output to `stdout` if given)."""
+    seconds, rss, _ = measure(cmd, env, stdout)
+    return seconds, rss
+
+
+def summary(runs: list[Measured]) -> tuple[float, float, float]:
+    """Median wall seconds, largest peak RSS, median CPU seconds of repeated runs."""
+    middle = len(runs) // 2
+    return (
+        sorted(r.seconds for r in runs)[middle],
+        max(r.rss_gib for r in runs),
+        sorted(r.cpu_seconds for r in runs)[middle],
+    )
 
 
 def median(cmd: list[str], repeat: int, env: dict[str, str] | None = None) -> tuple[float, float]:
@@ -231,10 +255,10 @@ def layouts(tokens: int, repeat: int, cache: Path) -> list[dict[str, Any]]:
         files = sorted((run / "tokens").glob("*.parquet"))
         bare = [sys.executable, "-c", BARE_SCAN.format(cols=TOKEN_COLUMNS), str(run)]
         commands = {"analyze": analyze_cmd(run, "--no-cache"), "bare": bare}
-        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+        runs: dict[str, list[Measured]] = {name: [] for name in commands}
         for _ in range(repeat):
             for name, cmd in commands.items():
-                runs[name].append(timed(cmd))
+                runs[name].append(measure(cmd))
         n, _ = token_rows(run)
         result: dict[str, Any] = {
             "layout": layout.what,
@@ -243,8 +267,7 @@ def layouts(tokens: int, repeat: int, cache: Path) -> list[dict[str, Any]]:
             "row_group": pq.read_metadata(files[0]).row_group(0).num_rows,
         }
         for name, measured in runs.items():
-            times = sorted(t for t, _ in measured)
-            result[name] = (times[repeat // 2], max(r for _, r in measured))
+            result[name] = summary(measured)
         rows.append(result)
         print(json.dumps(result), file=sys.stderr)
     return rows
@@ -277,14 +300,13 @@ def main() -> None:
         duck = [sys.executable, "-c", DUCKDB.format(threads=threads), str(run)]
         commands = {"analyze": analyze_cmd(run, "--no-cache"), "bare": bare, "duckdb": duck}
         # Round robin, so that a slower spell of a shared machine hits every command alike.
-        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+        runs: dict[str, list[Measured]] = {name: [] for name in commands}
         for _ in range(args.repeat):
             for name, cmd in commands.items():
-                runs[name].append(timed(cmd))
+                runs[name].append(measure(cmd))
         result: dict[str, Any] = {"tokens": n, "files": files}
         for name, measured in runs.items():
-            times = sorted(t for t, _ in measured)
-            result[name] = (times[args.repeat // 2], max(r for _, r in measured))
+            result[name] = summary(measured)
         rows.append(result)
         print(json.dumps(result), file=sys.stderr)
     # Incremental re-analysis on the largest run.
@@ -339,21 +361,25 @@ def write_results(
             else ""
         )
         + f" Start-up (Python and the imports analyze needs) takes {args.startup:.2f} s of "
-        "every analyze; the per-100M cost is also given without it.",
+        "every analyze; the per-100M cost is also given without it. CPU: user + system "
+        "seconds of the process, median of the runs; its ratio does not move with the "
+        "machine's spells of slowness or the page cache as much as the wall time's (a run "
+        "larger than the page cache is read from disk on every run).",
         "",
         "| token rows | files | analyze (s) | s per 100M tokens | same, less start-up "
         "| M tokens/s | peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | DuckDB (s) "
-        "| DuckDB RSS (GiB) | analyze / scan | analyze / DuckDB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| DuckDB RSS (GiB) | analyze / scan | analyze / DuckDB | analyze CPU (s) "
+        "| bare scan CPU (s) | CPU: analyze / scan |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        (at, arss), (bt, brss), (dt, drss) = r["analyze"], r["bare"], r["duckdb"]
+        (at, arss, acpu), (bt, brss, bcpu), (dt, drss, _) = r["analyze"], r["bare"], r["duckdb"]
         n = r["tokens"]
         lines.append(
             f"| {n:,} | {r['files']:,} | {at:.1f} | {at / n * 1e8:.2f} "
             f"| {(at - args.startup) / n * 1e8:.2f} | {n / at / 1e6:.1f} "
             f"| {arss:.2f} | {bt:.1f} | {brss:.2f} | {dt:.1f} | {drss:.2f} | {at / bt:.2f} "
-            f"| {at / dt:.2f} |"
+            f"| {at / dt:.2f} | {acpu:.1f} | {bcpu:.1f} | {acpu / bcpu:.2f} |"
         )
     lines += [
         "",
@@ -386,14 +412,16 @@ def write_results(
             "files' partials are folded as they come.",
             "",
             "| layout | token rows | files | rows in the first row group | analyze (s) "
-            "| peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | analyze / scan |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | analyze / scan "
+            "| CPU: analyze / scan |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in laid:
-            (at, arss), (bt, brss) = r["analyze"], r["bare"]
+            (at, arss, acpu), (bt, brss, bcpu) = r["analyze"], r["bare"]
             lines.append(
                 f"| {r['layout']} | {r['tokens']:,} | {r['files']:,} | {r['row_group']:,} "
-                f"| {at:.1f} | {arss:.2f} | {bt:.1f} | {brss:.2f} | {at / bt:.2f} |"
+                f"| {at:.1f} | {arss:.2f} | {bt:.1f} | {brss:.2f} | {at / bt:.2f} "
+                f"| {acpu / bcpu:.2f} |"
             )
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -40,12 +40,13 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
     assert "Start-up (Python and the imports analyze needs)" in text
     row = next(line for line in text.splitlines() if line.startswith("| 2,"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 13 and all(cells)
+    assert len(cells) == 16 and all(cells)
+    assert float(cells[-1]) > 0  # analyze CPU / bare scan CPU
     # The four file layouts of one run, with peak RSS and the ratio to the bare scan.
     section = text.split("## File layouts")[1].split("\n## ")[0]
     laid = [line for line in section.splitlines() if line.startswith("| ")]
     assert len(laid) == 1 + 4  # the header, then a row per layout
-    assert all(len(line.strip("|").split("|")) == 9 for line in laid)
+    assert all(len(line.strip("|").split("|")) == 10 for line in laid)
     assert int(cells[1]) >= 2  # token files
     # The incremental table: after appending one file, exactly one file was read.
     incremental = text.split("## Incremental re-analysis")[1].split("\n## ")[0]
