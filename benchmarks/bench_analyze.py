@@ -178,8 +178,8 @@ def summary(runs: list[Measured]) -> tuple[float, float, float]:
 
 def median(cmd: list[str], repeat: int, env: dict[str, str] | None = None) -> tuple[float, float]:
     """Median wall time over `repeat` runs, and the largest peak RSS."""
-    runs = [timed(cmd, env) for _ in range(repeat)]
-    return sorted(t for t, _ in runs)[repeat // 2], max(r for _, r in runs)
+    seconds, rss, _ = summary([measure(cmd, env) for _ in range(repeat)])
+    return seconds, rss
 
 
 def token_rows(path: Path) -> tuple[int, int]:
