@@ -560,10 +560,9 @@ class RolloutSeries:
         rollouts are computed, every series of that level (all are per step) is run on them,
         and they are dropped, so the memory is one range's whatever the number of responses."""
         parts: dict[str, list[pl.DataFrame]] = {name: [] for name in self.series}
-        steps, counts = step_counts(run)
         for level, limit in ((GROUP_LEVEL, GROUP_CHUNK), (ROLLOUT_LEVEL, ROLLOUT_CHUNK)):
             names = [n for n, v in self.series.items() if (v.table, v.level) == level]
-            for lo_hi in _step_ranges(steps, counts, limit) if names else []:
+            for lo_hi in rollout_step_ranges(run, limit) if names else []:
                 if level == GROUP_LEVEL:
                     query = aggregate_query(run, "rollouts", "", self.group_partials, steps=lo_hi)
                     source = _collect([query], "reading rollouts", run, ["rollouts"])[0]
@@ -602,7 +601,9 @@ class RolloutSeries:
         rows = self._rows(run, (first, last), partials)
         return rows.filter(pl.col("split") == "train")
 
-    def _rows(self, run: Run, steps: tuple[int, int], partials: dict[str, pl.Expr]) -> pl.DataFrame:
+    def _rows(
+        self, run: Run, steps: tuple[int, int] | None, partials: dict[str, pl.Expr]
+    ) -> pl.DataFrame:
         query = aggregate_query(
             run, "rollouts", "rollout", partials, prelude=self.prelude, steps=steps
         )
@@ -643,10 +644,10 @@ def group_sizes(run: Run) -> pl.DataFrame:
     from, without keeping a row per group (counted in ranges of whole steps of at most
     SIZES_CHUNK rollouts: the group-by's table is a range's groups)."""
     parts = []
-    for steps in _step_ranges(*step_counts(run), SIZES_CHUNK):
+    for steps in rollout_step_ranges(run, SIZES_CHUNK):
+        rows = run.scan("rollouts").filter(valid_rollout())
         query = (
-            run.scan("rollouts")
-            .filter(valid_rollout() & pl.col("step").is_between(*steps))
+            (rows if steps is None else rows.filter(pl.col("step").is_between(*steps)))
             .group_by(GROUP_KEYS)
             .agg(**GROUP_SIZE)
             .group_by("split", "step", "n")
@@ -665,17 +666,21 @@ def _train_steps(sizes: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def step_counts(run: Run) -> tuple[list[int], list[int]]:
-    """The valid rollouts per step (steps in order, counts): what the rollouts' levels are cut
-    into ranges of whole steps by (`_step_ranges`), one range computed at a time, so their
-    memory is a range's whatever the run's size."""
+def rollout_step_ranges(run: Run, limit: int) -> list[tuple[int, int] | None]:
+    """Ranges (first, last step) of whole steps of at most `limit` valid rollouts each, that the
+    rollouts' levels are computed in one at a time, so their memory is a range's whatever the
+    run's size; [None] (every step at once, the rollouts per step not counted) when the files
+    hold at most `limit` rows."""
+    known = run.tables["rollouts"].file_rows  # from the footers read at open, if any
+    if known and sum(known) <= limit:
+        return [None]
     counts = _collect(
         [run.scan("rollouts").filter(valid_rollout()).group_by("step").len().sort("step")],
         "reading rollouts",
         run,
         ["rollouts"],
     )[0]
-    return counts["step"].to_list(), counts["len"].to_list()
+    return [*_step_ranges(counts["step"].to_list(), counts["len"].to_list(), limit)]
 
 
 def _step_ranges(steps: list[int], counts: list[int], limit: int) -> list[tuple[int, int]]:
