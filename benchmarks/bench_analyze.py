@@ -182,6 +182,53 @@ def median(cmd: list[str], repeat: int, env: dict[str, str] | None = None) -> tu
     return seconds, rss
 
 
+#: A run whose token files take more than this share of the machine's memory does not stay in
+#: the page cache from one command to the next (on the 24 GiB VM of RESULTS.md the cache holds
+#: ~14.5 GB, the 1B run's columns 15 GB): left as it is, each command would find whatever the
+#: previous one left (a command after DuckDB read 40% from disk, one after the bare scan 5%),
+#: and the ratios would measure the order of the commands. Such a run is measured cold: the
+#: page cache dropped before every command (root only). A smaller run is read once before
+#: the round robin: every command then reads it from memory.
+COLD_RUN_SHARE = 0.5
+
+
+def page_cache(run: Path) -> str:
+    """How `run`'s commands are measured: "warm" (read once first), "cold" (the page cache
+    dropped before each), or "as left" (too large to stay cached, and not allowed to drop)."""
+    size = sum(f.stat().st_size for f in (run / "tokens").glob("*.parquet"))
+    if size <= COLD_RUN_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        for path in (run / "tokens").glob("*.parquet"):
+            with open(path, "rb") as handle:
+                while handle.read(1 << 24):
+                    pass
+        return "warm"
+    return "cold" if drop_page_cache() else "as left"
+
+
+def drop_page_cache() -> bool:
+    """Empty the kernel's page cache (written data synced first); False where not allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError:
+        return False
+    return True
+
+
+def round_robin(
+    commands: dict[str, list[str]], repeat: int, cache: str
+) -> dict[str, tuple[float, float, float]]:
+    """Each command `repeat` times, in turn (a slower spell of a shared machine hits every
+    command alike), the page cache dropped before each when `cache` is "cold"."""
+    runs: dict[str, list[Measured]] = {name: [] for name in commands}
+    for _ in range(repeat):
+        for name, cmd in commands.items():
+            if cache == "cold":
+                drop_page_cache()
+            runs[name].append(measure(cmd))
+    return {name: summary(measured) for name, measured in runs.items()}
+
+
 def token_rows(path: Path) -> tuple[int, int]:
     import pyarrow.parquet as pq
 
@@ -255,19 +302,16 @@ def layouts(tokens: int, repeat: int, cache: Path) -> list[dict[str, Any]]:
         files = sorted((run / "tokens").glob("*.parquet"))
         bare = [sys.executable, "-c", BARE_SCAN.format(cols=TOKEN_COLUMNS), str(run)]
         commands = {"analyze": analyze_cmd(run, "--no-cache"), "bare": bare}
-        runs: dict[str, list[Measured]] = {name: [] for name in commands}
-        for _ in range(repeat):
-            for name, cmd in commands.items():
-                runs[name].append(measure(cmd))
+        cache = page_cache(run)
         n, _ = token_rows(run)
         result: dict[str, Any] = {
             "layout": layout.what,
             "tokens": n,
             "files": len(files),
             "row_group": pq.read_metadata(files[0]).row_group(0).num_rows,
+            "cache": cache,
+            **round_robin(commands, repeat, cache),
         }
-        for name, measured in runs.items():
-            result[name] = summary(measured)
         rows.append(result)
         print(json.dumps(result), file=sys.stderr)
     return rows
@@ -299,14 +343,9 @@ def main() -> None:
         bare = [sys.executable, "-c", BARE_SCAN.format(cols=TOKEN_COLUMNS), str(run)]
         duck = [sys.executable, "-c", DUCKDB.format(threads=threads), str(run)]
         commands = {"analyze": analyze_cmd(run, "--no-cache"), "bare": bare, "duckdb": duck}
-        # Round robin, so that a slower spell of a shared machine hits every command alike.
-        runs: dict[str, list[Measured]] = {name: [] for name in commands}
-        for _ in range(args.repeat):
-            for name, cmd in commands.items():
-                runs[name].append(measure(cmd))
-        result: dict[str, Any] = {"tokens": n, "files": files}
-        for name, measured in runs.items():
-            result[name] = summary(measured)
+        cache = page_cache(run)
+        result: dict[str, Any] = {"tokens": n, "files": files, "cache": cache}
+        result |= round_robin(commands, args.repeat, cache)
         rows.append(result)
         print(json.dumps(result), file=sys.stderr)
     # Incremental re-analysis on the largest run.
@@ -362,21 +401,24 @@ def write_results(
         )
         + f" Start-up (Python and the imports analyze needs) takes {args.startup:.2f} s of "
         "every analyze; the per-100M cost is also given without it. CPU: user + system "
-        "seconds of the process, median of the runs; its ratio does not move with the "
-        "machine's spells of slowness or the page cache as much as the wall time's (a run "
-        "larger than the page cache is read from disk on every run).",
+        "seconds of the process, median of the runs. Page cache: a run that fits in half the "
+        "machine's memory is read once before its runs, so that every command reads it from "
+        "memory (warm: the CPU-bound case); a larger one would not stay cached from one command "
+        "to the next (each would find what the previous one left), so the page cache is "
+        "dropped before every command (cold: read from disk, as a first analysis of a large "
+        "run is).",
         "",
-        "| token rows | files | analyze (s) | s per 100M tokens | same, less start-up "
-        "| M tokens/s | peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | DuckDB (s) "
-        "| DuckDB RSS (GiB) | analyze / scan | analyze / DuckDB | analyze CPU (s) "
+        "| token rows | files | page cache | analyze (s) | s per 100M tokens "
+        "| same, less start-up | M tokens/s | peak RSS (GiB) | bare scan (s) | bare RSS (GiB) "
+        "| DuckDB (s) | DuckDB RSS (GiB) | analyze / scan | analyze / DuckDB | analyze CPU (s) "
         "| bare scan CPU (s) | CPU: analyze / scan |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         (at, arss, acpu), (bt, brss, bcpu), (dt, drss, _) = r["analyze"], r["bare"], r["duckdb"]
         n = r["tokens"]
         lines.append(
-            f"| {n:,} | {r['files']:,} | {at:.1f} | {at / n * 1e8:.2f} "
+            f"| {n:,} | {r['files']:,} | {r['cache']} | {at:.1f} | {at / n * 1e8:.2f} "
             f"| {(at - args.startup) / n * 1e8:.2f} | {n / at / 1e6:.1f} "
             f"| {arss:.2f} | {bt:.1f} | {brss:.2f} | {dt:.1f} | {drss:.2f} | {at / bt:.2f} "
             f"| {at / dt:.2f} | {acpu:.1f} | {bcpu:.1f} | {acpu / bcpu:.2f} |"
@@ -411,19 +453,25 @@ def write_results(
             "pieces of row groups by every worker), not by files or row groups; thousands of "
             "files' partials are folded as they come.",
             "",
-            "| layout | token rows | files | rows in the first row group | analyze (s) "
-            "| peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | analyze / scan "
+            "| layout | token rows | files | rows in the first row group | page cache "
+            "| analyze (s) | peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | analyze / scan "
             "| CPU: analyze / scan |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in laid:
             (at, arss, acpu), (bt, brss, bcpu) = r["analyze"], r["bare"]
             lines.append(
                 f"| {r['layout']} | {r['tokens']:,} | {r['files']:,} | {r['row_group']:,} "
-                f"| {at:.1f} | {arss:.2f} | {bt:.1f} | {brss:.2f} | {at / bt:.2f} "
-                f"| {acpu / bcpu:.2f} |"
+                f"| {r['cache']} | {at:.1f} | {arss:.2f} | {bt:.1f} | {brss:.2f} "
+                f"| {at / bt:.2f} | {acpu / bcpu:.2f} |"
             )
-    args.out.write_text("\n".join(lines) + "\n")
+    # The sections other benchmarks write (bench_report.py's) are kept, after these.
+    own = {"# rlscope analyze benchmark", "## Incremental re-analysis", "## File layouts"}
+    previous = args.out.read_text().split("\n## ") if args.out.exists() else []
+    kept = [part for part in previous[1:] if "## " + part.split("\n", 1)[0] not in own]
+    args.out.write_text(
+        "\n".join(lines) + "".join("\n\n## " + part.rstrip("\n") for part in kept) + "\n"
+    )
     print("\n".join(lines))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -17,8 +18,14 @@ import pyarrow.parquet as pq
 from rlscope.atomic import atomic_write
 from rlscope.schema import RUN_FIELDS, RUN_JSON, SCHEMA_VERSION, TABLES
 
-# Rows buffered per table before a flush writes one file (one row group of this size).
+# Rows buffered per table before a flush writes one file (one row group of this size, or for
+# the tokens table a row group per step where steps are large enough).
 DEFAULT_FLUSH_ROWS = {"steps": 10_000, "rollouts": 200_000, "tokens": 1_000_000, "probes": 200_000}
+#: A step's token rows get a row group of their own when there are at least this many: its
+#: statistics then say it holds one step, and the token scan does not decode the step column
+#: (rlscope.tokenscan.reduce._step_spans). Smaller ones share a row group with their neighbours
+#: (many small row groups cost more to read than the step column saves).
+STEP_ROW_GROUP_ROWS = 65_536
 
 TableLike = Any  # dict of columns, list of row dicts, pyarrow.Table, polars.DataFrame, pandas
 
@@ -187,14 +194,16 @@ class RunWriter:
             table_data = frame.to_arrow()
             # Float columns: byte-stream-split + zstd is ~1/3 smaller than dictionary + zstd.
             floats = [f.name for f in table_data.schema if pa.types.is_floating(f.type)]
-            pq.write_table(
-                table_data,
+            with pq.ParquetWriter(
                 tmp,
+                table_data.schema,
                 compression="zstd",
-                row_group_size=frame.height,
                 use_byte_stream_split=floats or False,
                 use_dictionary=[n for n in table_data.column_names if n not in floats],
-            )
+            ) as parquet:
+                bounds = row_group_bounds(frame) if table == "tokens" else [0, frame.height]
+                for start, end in itertools.pairwise(bounds):
+                    parquet.write_table(table_data.slice(start, end - start), max(1, end - start))
             with open(tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
             os.replace(tmp, path)
@@ -218,6 +227,20 @@ class RunWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def row_group_bounds(frame: pl.DataFrame) -> list[int]:
+    """Row offsets cutting a token frame into row groups: each run of one step of at least
+    STEP_ROW_GROUP_ROWS rows a row group of its own, the rows between such runs one row group
+    (unsorted or small steps: one row group, as a single group would be)."""
+    bounds = [0]
+    if "step" in frame.columns:
+        end = 0
+        for length in frame["step"].rle().struct.field("len").to_list():
+            start, end = end, end + length
+            if length >= STEP_ROW_GROUP_ROWS:
+                bounds += [start, end] if start != bounds[-1] else [end]
+    return bounds if bounds[-1] == frame.height and frame.height else [*bounds, frame.height]
 
 
 def _scalar(value: Any) -> Any:

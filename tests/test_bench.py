@@ -17,6 +17,8 @@ pytest.importorskip("duckdb")
 @pytest.mark.slow  # 12 s; the report benchmark's test stays in the fast suite
 def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
+    other = "## report against analyze / compare\n\nbench_report.py's table\n"
+    out.write_text("# rlscope analyze benchmark\n\nold\n\n## File layouts\n\nold\n\n" + other)
     subprocess.run(
         [
             sys.executable,
@@ -36,17 +38,19 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
         capture_output=True,
     )
     text = out.read_text()
-    assert "| token rows | files | analyze (s)" in text
+    assert "| token rows | files | page cache | analyze (s)" in text
+    assert text.endswith("\n\n" + other) and text.count("## File layouts") == 1  # its own kept
     assert "Start-up (Python and the imports analyze needs)" in text
     row = next(line for line in text.splitlines() if line.startswith("| 2,"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 16 and all(cells)
+    assert len(cells) == 17 and all(cells)
+    assert cells[2] == "warm"  # a small run: read once, then measured from memory
     assert float(cells[-1]) > 0  # analyze CPU / bare scan CPU
     # The four file layouts of one run, with peak RSS and the ratio to the bare scan.
     section = text.split("## File layouts")[1].split("\n## ")[0]
     laid = [line for line in section.splitlines() if line.startswith("| ")]
     assert len(laid) == 1 + 4  # the header, then a row per layout
-    assert all(len(line.strip("|").split("|")) == 10 for line in laid)
+    assert all(len(line.strip("|").split("|")) == 11 for line in laid)
     assert int(cells[1]) >= 2  # token files
     # The incremental table: after appending one file, exactly one file was read.
     incremental = text.split("## Incremental re-analysis")[1].split("\n## ")[0]

@@ -436,6 +436,51 @@ def test_a_step_in_two_runs_of_one_file_is_one_row(
         assert_frames_close(a[level], b[level])
 
 
+@pytest.mark.parametrize("step_type", [pa.int64(), pa.int32()])
+def test_row_groups_of_one_step_are_reduced_without_decoding_the_step(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch, step_type: pa.DataType
+) -> None:
+    """Row groups whose statistics say one step (minimum = maximum, no nulls) are read without
+    their step column, the step given as a constant; a row group of two steps is read row by
+    row. The partials are those of the same rows read with every step (no statistics)."""
+    tokens = make_tokens(14, range(1, 6))
+    table = pl.DataFrame(tokens).to_arrow()
+    table = table.set_column(1, "step", table["step"].cast(step_type))
+    starts = np.flatnonzero(np.diff(tokens["step"])) + 1
+    bounds = [0, *starts[:3].tolist(), table.num_rows]  # steps 1, 2, 3, then 4 and 5 together
+    partials = []
+    read: list[list[str]] = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def recorded(self: pq.ParquetFile, *args: Any, **kwargs: Any) -> Any:
+        read.append(kwargs["columns"])
+        return iter_batches(self, *args, **kwargs)
+
+    for statistics in (True, False):
+        run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
+        (path,) = (run / "tokens").glob("*.parquet")
+        with pq.ParquetWriter(path, table.schema, write_statistics=statistics) as parquet:
+            for start, end in itertools.pairwise(bounds):
+                parquet.write_table(table.slice(start, end - start), end - start)
+        plan = plan_for(run)
+        (file,) = token_files(open_run(run), plan)
+        spans = reduce._step_spans(pq.read_metadata(path), file, [0, 1, 2, 3])
+        if statistics:
+            assert spans == [([0], 1), ([1], 2), ([2], 3), ([3], None)]
+        else:
+            assert spans == [([0, 1, 2, 3], None)]
+        read.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(limits, "SMALL_FILE_BYTES", 0)  # not read whole by Polars
+            patch.setattr(pq.ParquetFile, "iter_batches", recorded)
+            partials.append(file_partials(file, plan))
+        with_step = ["step" in columns for columns in read]
+        assert with_step == ([False, False, False, True] if statistics else [True])
+    for level in plan.levels:
+        assert_frames_close(partials[0][level], partials[1][level])
+    assert partials[0][""]["step"].to_list() == [1, 2, 3, 4, 5]
+
+
 def test_many_small_files_in_one_chunk_give_the_one_file_partials(
     write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlscope import writer as writer_module
 from rlscope.schema import RUN_JSON, SCHEMA_VERSION, TABLES
 from rlscope.writer import RunWriter
 
@@ -614,23 +615,49 @@ def test_sigkill_never_leaves_partial_files(tmp_path: Path) -> None:
         assert added[0] > max(old), (added, max(old))
 
 
+def test_token_row_groups_are_cut_at_steps_of_many_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of at least STEP_ROW_GROUP_ROWS token rows gets a row group of its own (its
+    statistics then say one step), the rows between such steps one row group; unsorted rows
+    one row group; the rows and their order unchanged."""
+    monkeypatch.setattr(writer_module, "STEP_ROW_GROUP_ROWS", 100)
+    steps = [1] * 150 + [2] * 30 + [3] * 200 + [4] * 120 + [5] * 40
+    rows = token_cols(0, len(steps)) | {"step": steps}
+    with RunWriter(tmp_path) as writer:
+        writer.log_tokens(rows)
+    (path,) = final_files(tmp_path, "tokens")
+    meta = pq.read_metadata(path)
+    index = meta.schema.names.index("step")
+    groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+    spans = [
+        (g.num_rows, g.column(index).statistics.min, g.column(index).statistics.max) for g in groups
+    ]
+    assert spans == [(150, 1, 1), (30, 2, 2), (200, 3, 3), (120, 4, 4), (40, 5, 5)]
+    assert pl.read_parquet(path)["step"].to_list() == steps
+    bounds = writer_module.row_group_bounds
+    assert bounds(pl.DataFrame({"step": [3, 1, 3, 1] * 100})) == [0, 400]
+    assert bounds(pl.DataFrame({"step": [1] * 100 + [2, 3] * 10 + [4] * 100})) == [0, 100, 120, 220]
+    assert bounds(pl.DataFrame({"step": [1] * 250})) == [0, 250]
+    assert bounds(pl.DataFrame({"step": []})) == [0, 0]
+
+
 # ---------------------------------------------------------------- failed writes
 
 
 def test_failed_write_keeps_buffer_and_leaves_no_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_write_table = pq.write_table
+    real_write_table = pq.ParquetWriter.write_table
     attempts: list[str] = []
 
-    def disk_full(table: pa.Table, where: Any, **kwargs: Any) -> None:
-        attempts.append(str(where))
-        Path(where).write_bytes(b"PAR1 half a file")  # a partial file under the temp name
+    def disk_full(self: pq.ParquetWriter, table: pa.Table, *args: Any, **kwargs: Any) -> None:
+        attempts.append(str(self.where))  # the file is open (and partly written) under it
         raise OSError(28, "disk full")
 
     writer = RunWriter(tmp_path, flush_rows={"tokens": 100})
     writer.log_tokens(token_cols(0, 60))
-    monkeypatch.setattr(pq, "write_table", disk_full)
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", disk_full)
     with pytest.raises(OSError, match="disk full"):
         writer.log_tokens(token_cols(60, 60))  # crosses flush_rows: flush fails
     with pytest.raises(OSError, match="disk full"):
@@ -642,7 +669,7 @@ def test_failed_write_keeps_buffer_and_leaves_no_file(
     assert visible_entries(tmp_path, "tokens") == []
     assert list((tmp_path / "tokens").iterdir()) == [], "temp file not cleaned up"
 
-    monkeypatch.setattr(pq, "write_table", real_write_table)
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", real_write_table)
     writer.flush()
     files = final_files(tmp_path, "tokens")
     assert len(files) == 1

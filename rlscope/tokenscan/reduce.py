@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import polars as pl
@@ -43,14 +43,52 @@ def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
             return
         row_bytes = _decoded_row_bytes(parquet, present, groups, rows)
         cap = max(1, min(limits.BATCH_ROWS, limits.BATCH_BYTES // max(1, row_bytes)))
-        size = _even(rows, cap)
-        # One thread per read: the workers are the parallelism (the columns decoded in
-        # parallel besides only add hand-offs).
-        batches = parquet.iter_batches(
-            batch_size=size, columns=present, row_groups=groups, use_threads=False
-        )
-        for batch in batches:
-            yield pl.from_arrow(pa.Table.from_batches([batch]))  # type: ignore[misc]
+        for span, step in _step_spans(meta, file, groups):
+            # A span of row groups of one step (by their statistics) is read without its
+            # step column, the step given as a constant: no decoding of a value per row.
+            columns = present if step is None else [c for c in present if c != "step"]
+            size = _even(sum(meta.row_group(g).num_rows for g in span), cap)
+            # One thread per read: the workers are the parallelism (the columns decoded in
+            # parallel besides only add hand-offs).
+            batches = parquet.iter_batches(
+                batch_size=size, columns=columns, row_groups=span, use_threads=False
+            )
+            for batch in batches:
+                read = cast(pl.DataFrame, pl.from_arrow(pa.Table.from_batches([batch])))
+                if step is not None:
+                    steps = pl.repeat(step, read.height, dtype=file.schema["step"], eager=True)
+                    read.insert_column(present.index("step"), steps.alias("step"))
+                yield read
+
+
+def _step_spans(
+    meta: pq.FileMetaData, file: TokenFile, groups: list[int]
+) -> list[tuple[list[int], int | None]]:
+    """`groups` as consecutive spans, each with the one step all its rows have when the row
+    groups' statistics say so (an integer step column whose minimum is its maximum, without
+    nulls), else None (the step read row by row). Trainers write a file per step, so this is
+    the usual case."""
+    step: list[int | None] = [None] * len(groups)
+    if "step" in file.target and file.schema.get("step", pl.Null).is_integer():
+        paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
+        index = paths.index("step")
+        for i, group in enumerate(groups):
+            stats = meta.row_group(group).column(index).statistics
+            if (
+                stats is not None
+                and stats.has_min_max
+                and stats.has_null_count
+                and stats.null_count == 0
+                and stats.min == stats.max
+            ):
+                step[i] = int(stats.min)
+    spans: list[tuple[list[int], int | None]] = []
+    for group, value in zip(groups, step, strict=True):
+        if spans and spans[-1][1] == value:
+            spans[-1][0].append(group)
+        else:
+            spans.append(([group], value))
+    return spans
 
 
 def _even(rows: int, cap: int) -> int:
