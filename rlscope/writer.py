@@ -240,7 +240,9 @@ def row_group_bounds(frame: pl.DataFrame) -> list[int]:
             start, end = end, end + length
             if length >= STEP_ROW_GROUP_ROWS:
                 bounds += [start, end] if start != bounds[-1] else [end]
-    return bounds if bounds[-1] == frame.height and frame.height else [*bounds, frame.height]
+    if len(bounds) == 1 or bounds[-1] != frame.height:
+        bounds.append(frame.height)  # the rows after the last large step (or all of them)
+    return bounds
 
 
 def _scalar(value: Any) -> Any:

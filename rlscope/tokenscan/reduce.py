@@ -69,9 +69,8 @@ def _step_spans(
     nulls), else None (the step read row by row). Trainers write a file per step, so this is
     the usual case."""
     step: list[int | None] = [None] * len(groups)
-    if "step" in file.target and file.schema.get("step", pl.Null).is_integer():
-        paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
-        index = paths.index("step")
+    index = _column_chunk(meta, "step")
+    if "step" in file.target and index is not None and file.schema["step"].is_integer():
         for i, group in enumerate(groups):
             stats = meta.row_group(group).column(index).statistics
             if (
@@ -91,6 +90,13 @@ def _step_spans(
     return spans
 
 
+def _column_chunk(meta: pq.FileMetaData, name: str) -> int | None:
+    """The index of a flat top-level column's chunks in each row group (by path: a nested
+    column's leaf may share its name), or None when the file has no such column."""
+    paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    return paths.index(name) if name in paths else None
+
+
 def _even(rows: int, cap: int) -> int:
     """Rows per batch of even batches of at most `cap`: 1.25M rows as two of 625k, not 1.2M
     and a 50k tail of its own."""
@@ -103,7 +109,6 @@ def _decoded_row_bytes(
     """Bytes per row of `columns` once decoded: the width of fixed-width types, else the
     column's uncompressed Parquet bytes per row (strings, lists), from the file's metadata."""
     schema, meta = parquet.schema_arrow, parquet.metadata
-    leaves = meta.schema.names  # top-level flat columns are leaves of the same name
     total = 0
     for name in columns:
         dtype = schema.field(name).type
@@ -115,8 +120,8 @@ def _decoded_row_bytes(
         except ValueError:  # variable width
             pass
         size = 0
-        if name in leaves and groups:
-            index = leaves.index(name)
+        index = _column_chunk(meta, name)
+        if index is not None:
             size = sum(meta.row_group(g).column(index).total_uncompressed_size for g in groups)
         total += 8 + size // rows  # offsets, then the data
     return total
