@@ -449,9 +449,11 @@ def write_results(
             "the bare scan of the same columns. The working set is bounded by rows in flight "
             f"(batches of at most {limits.BATCH_ROWS // 1000}k rows and "
             f"{limits.BATCH_BYTES >> 20} MiB decoded, read through a "
-            f"{limits.READ_BUFFER_BYTES >> 20} MiB buffer per column; a large file is reduced in "
-            "pieces of row groups by every worker), not by files or row groups; thousands of "
-            "files' partials are folded as they come.",
+            f"{limits.READ_BUFFER_BYTES >> 20} MiB buffer per column, or, where Polars decodes "
+            "faster (no byte-stream-split column), a row group at a time if it is at most "
+            f"{limits.WHOLE_GROUP_BYTES >> 20} MiB decoded; a large file is reduced in pieces of "
+            "row groups by every worker), not by files or large row groups; thousands of files' "
+            "partials are folded as they come.",
             "",
             "| layout | token rows | files | rows in the first row group | page cache "
             "| analyze (s) | peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | analyze / scan "

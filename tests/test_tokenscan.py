@@ -3,6 +3,7 @@ new or changed files, and the map/merge split runs on another executor (no clust
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -436,30 +437,47 @@ def test_a_step_in_two_runs_of_one_file_is_one_row(
         assert_frames_close(a[level], b[level])
 
 
+def record_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
+    """Patches the two decoders to record, per read, which decoded it and the columns asked."""
+    read: list[tuple[str, list[str]]] = []
+    for name in ("_arrow_reads", "_polars_reads"):
+        original = getattr(reduce, name)
+
+        def recorded(*args: Any, _original: Any = original, _name: str = name) -> Any:
+            read.append((_name, args[-2]))  # (…, columns, cap)
+            return _original(*args)
+
+        monkeypatch.setattr(reduce, name, recorded)
+    return read
+
+
 @pytest.mark.parametrize("step_type", [pa.int64(), pa.int32()])
+@pytest.mark.parametrize("decoder", ["_arrow_reads", "_polars_reads"])
 def test_row_groups_of_one_step_are_reduced_without_decoding_the_step(
-    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch, step_type: pa.DataType
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch, step_type: pa.DataType, decoder: str
 ) -> None:
     """Row groups whose statistics say one step (minimum = maximum, no nulls) are read without
     their step column, the step given as a constant; a row group of two steps is read row by
-    row. The partials are those of the same rows read with every step (no statistics)."""
+    row. The partials are those of the same rows read with every step (no statistics), by
+    either decoder (pyarrow for byte-stream-split floats, Polars for dictionary-encoded ones)."""
     tokens = make_tokens(14, range(1, 6))
     table = pl.DataFrame(tokens).to_arrow()
     table = table.set_column(1, "step", table["step"].cast(step_type))
+    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
+    split_floats = floats if decoder == "_arrow_reads" else False
     starts = np.flatnonzero(np.diff(tokens["step"])) + 1
     bounds = [0, *starts[:3].tolist(), table.num_rows]  # steps 1, 2, 3, then 4 and 5 together
     partials = []
-    read: list[list[str]] = []
-    iter_batches = pq.ParquetFile.iter_batches
-
-    def recorded(self: pq.ParquetFile, *args: Any, **kwargs: Any) -> Any:
-        read.append(kwargs["columns"])
-        return iter_batches(self, *args, **kwargs)
-
     for statistics in (True, False):
         run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
         (path,) = (run / "tokens").glob("*.parquet")
-        with pq.ParquetWriter(path, table.schema, write_statistics=statistics) as parquet:
+        with pq.ParquetWriter(
+            path,
+            table.schema,
+            write_statistics=statistics,
+            use_byte_stream_split=split_floats,
+            use_dictionary=[c for c in table.column_names if not (split_floats and c in floats)],
+        ) as parquet:
             for start, end in itertools.pairwise(bounds):
                 parquet.write_table(table.slice(start, end - start), end - start)
         plan = plan_for(run)
@@ -469,16 +487,69 @@ def test_row_groups_of_one_step_are_reduced_without_decoding_the_step(
             assert spans == [([0], 1), ([1], 2), ([2], 3), ([3], None)]
         else:
             assert spans == [([0, 1, 2, 3], None)]
-        read.clear()
         with monkeypatch.context() as patch:
             patch.setattr(limits, "SMALL_FILE_BYTES", 0)  # not read whole by Polars
-            patch.setattr(pq.ParquetFile, "iter_batches", recorded)
+            read = record_reads(patch)
             partials.append(file_partials(file, plan))
-        with_step = ["step" in columns for columns in read]
+        assert {name for name, _ in read} == {decoder}
+        with_step = ["step" in columns for _, columns in read]
         assert with_step == ([False, False, False, True] if statistics else [True])
     for level in plan.levels:
         assert_frames_close(partials[0][level], partials[1][level])
     assert partials[0][""]["step"].to_list() == [1, 2, 3, 4, 5]
+
+
+def test_the_decoder_is_chosen_by_encoding_and_row_group_size(
+    write_run: WriteRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Polars decodes a file's row groups when none of the columns read is byte-stream-split
+    and each fits in WHOLE_GROUP_BYTES decoded; else pyarrow, in batches. Both give the same
+    rows, in batches of at most the cap, for a whole file and for a piece of its row groups
+    (row groups smaller than the cap read together, larger ones cut)."""
+    monkeypatch.setattr(limits, "SMALL_FILE_BYTES", 0)
+    monkeypatch.setattr(limits, "BATCH_ROWS", 250)
+    tokens = make_tokens(15, range(1, 9))
+    table = pl.DataFrame(tokens).to_arrow()
+    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
+    group_rows = [40, 70, 600, 90, 30, 300]  # then the rest
+    bounds = [0, *itertools.accumulate(group_rows), table.num_rows]
+    assert bounds[-2] < table.num_rows
+    read_back: dict[str, list[pl.DataFrame]] = {}
+    for split_floats in (False, True):
+        run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
+        (path,) = (run / "tokens").glob("*.parquet")
+        with pq.ParquetWriter(
+            path,
+            table.schema,
+            use_byte_stream_split=floats if split_floats else False,
+            use_dictionary=[c for c in table.column_names if not (split_floats and c in floats)],
+        ) as parquet:
+            for start, end in itertools.pairwise(bounds):
+                parquet.write_table(table.slice(start, end - start), end - start)
+        plan = plan_for(run)
+        (file,) = token_files(open_run(run), plan)
+        meta = pq.read_metadata(path)
+        columns = list(file.target)
+        groups = list(range(meta.num_row_groups))
+        assert reduce._polars_decodes(meta, columns, groups, 41) is not split_floats
+        with monkeypatch.context() as patch:
+            patch.setattr(limits, "WHOLE_GROUP_BYTES", 599 * 41)  # the 600-row group too big
+            assert not reduce._polars_decodes(meta, columns, groups, 41)
+            assert reduce._polars_decodes(meta, columns, [0, 1], 41) is not split_floats
+        decoder = "_arrow_reads" if split_floats else "_polars_reads"
+        for name, piece in (("whole", None), ("piece", (1, 2, 3, 4))):
+            with monkeypatch.context() as patch:
+                read = record_reads(patch)
+                part = dataclasses.replace(file, row_groups=piece)
+                batches = list(reduce._batches(part))
+            assert {n for n, _ in read} == {decoder}
+            assert max(b.height for b in batches) <= 250
+            read_back.setdefault(name, []).append(pl.concat(batches))
+    expected = pl.DataFrame(tokens).select(read_back["whole"][0].columns)
+    for name, (by_polars, by_arrow) in read_back.items():
+        rows = expected if name == "whole" else expected.slice(bounds[1], bounds[5] - bounds[1])
+        for frame in (by_polars, by_arrow):
+            assert_frames_close(frame.cast(rows.schema), rows)
 
 
 def test_many_small_files_in_one_chunk_give_the_one_file_partials(

@@ -12,6 +12,10 @@ BATCH_BYTES = 24 * 2**20
 #: Larger costs more than it saves: each column's buffer is fresh memory to fault in (8 MiB:
 #: the scan 4% slower at 100M tokens).
 READ_BUFFER_BYTES = 2**20
+#: A row group of at most this many decoded bytes (of the columns read) may be decoded whole, by
+#: Polars, where it decodes faster than pyarrow (no byte-stream-split column): three workers
+#: then hold up to three such row groups.
+WHOLE_GROUP_BYTES = 48 * 2**20
 #: A file of at most this many bytes (decoded: a few times more) is read whole, at once, and
 #: consecutive ones together, up to POOL_BYTES of Parquet.
 SMALL_FILE_BYTES = 2**20
