@@ -437,6 +437,23 @@ def test_a_step_in_two_runs_of_one_file_is_one_row(
         assert_frames_close(a[level], b[level])
 
 
+def write_row_groups(
+    path: Path, table: pa.Table, bounds: list[int], split_floats: bool, statistics: bool = True
+) -> None:
+    """`table` written to `path` in row groups cut at `bounds`, its floats byte-stream-split
+    (as RunWriter writes them) or dictionary-encoded (pyarrow's default)."""
+    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
+    with pq.ParquetWriter(
+        path,
+        table.schema,
+        write_statistics=statistics,
+        use_byte_stream_split=floats if split_floats else False,
+        use_dictionary=[c for c in table.column_names if not (split_floats and c in floats)],
+    ) as parquet:
+        for start, end in itertools.pairwise(bounds):
+            parquet.write_table(table.slice(start, end - start), end - start)
+
+
 def record_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
     """Patches the two decoders to record, per read, which decoded it and the columns asked."""
     read: list[tuple[str, list[str]]] = []
@@ -463,23 +480,13 @@ def test_row_groups_of_one_step_are_reduced_without_decoding_the_step(
     tokens = make_tokens(14, range(1, 6))
     table = pl.DataFrame(tokens).to_arrow()
     table = table.set_column(1, "step", table["step"].cast(step_type))
-    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
-    split_floats = floats if decoder == "_arrow_reads" else False
     starts = np.flatnonzero(np.diff(tokens["step"])) + 1
     bounds = [0, *starts[:3].tolist(), table.num_rows]  # steps 1, 2, 3, then 4 and 5 together
     partials = []
     for statistics in (True, False):
         run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
         (path,) = (run / "tokens").glob("*.parquet")
-        with pq.ParquetWriter(
-            path,
-            table.schema,
-            write_statistics=statistics,
-            use_byte_stream_split=split_floats,
-            use_dictionary=[c for c in table.column_names if not (split_floats and c in floats)],
-        ) as parquet:
-            for start, end in itertools.pairwise(bounds):
-                parquet.write_table(table.slice(start, end - start), end - start)
+        write_row_groups(path, table, bounds, decoder == "_arrow_reads", statistics)
         plan = plan_for(run)
         (file,) = token_files(open_run(run), plan)
         spans = reduce._step_spans(pq.read_metadata(path), file, [0, 1, 2, 3])
@@ -510,7 +517,6 @@ def test_the_decoder_is_chosen_by_encoding_and_row_group_size(
     monkeypatch.setattr(limits, "BATCH_ROWS", 250)
     tokens = make_tokens(15, range(1, 9))
     table = pl.DataFrame(tokens).to_arrow()
-    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
     group_rows = [40, 70, 600, 90, 30, 300]  # then the rest
     bounds = [0, *itertools.accumulate(group_rows), table.num_rows]
     assert bounds[-2] < table.num_rows
@@ -518,14 +524,7 @@ def test_the_decoder_is_chosen_by_encoding_and_row_group_size(
     for split_floats in (False, True):
         run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
         (path,) = (run / "tokens").glob("*.parquet")
-        with pq.ParquetWriter(
-            path,
-            table.schema,
-            use_byte_stream_split=floats if split_floats else False,
-            use_dictionary=[c for c in table.column_names if not (split_floats and c in floats)],
-        ) as parquet:
-            for start, end in itertools.pairwise(bounds):
-                parquet.write_table(table.slice(start, end - start), end - start)
+        write_row_groups(path, table, bounds, split_floats)
         plan = plan_for(run)
         (file,) = token_files(open_run(run), plan)
         meta = pq.read_metadata(path)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Literal, cast
 
 import numpy as np
@@ -43,12 +45,15 @@ def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
         row_bytes = _decoded_row_bytes(parquet, present, groups, rows)
         cap = max(1, min(limits.BATCH_ROWS, limits.BATCH_BYTES // max(1, row_bytes)))
         by_polars = _polars_decodes(meta, present, groups, row_bytes)
+        sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        first_rows = list(itertools.accumulate(sizes, initial=0))
         for span, step in _step_spans(meta, file, groups):
             # A span of row groups of one step (by their statistics) is read without its
             # step column, the step given as a constant: no decoding of a value per row.
             columns = present if step is None else [c for c in present if c != "step"]
             if by_polars:
-                reads = _polars_reads(file, meta, span, columns, cap)
+                span_sizes = [sizes[g] for g in span]
+                reads = _polars_reads(file.path, first_rows[span[0]], span_sizes, columns, cap)
             else:
                 reads = _arrow_reads(parquet, span, columns, cap)
             for read in reads:
@@ -74,23 +79,26 @@ def _arrow_reads(
 
 
 def _polars_reads(
-    file: TokenFile, meta: pq.FileMetaData, span: list[int], columns: list[str], cap: int
+    path: Path, first_row: int, sizes: list[int], columns: list[str], cap: int
 ) -> Iterator[pl.DataFrame]:
-    """Consecutive row groups decoded by Polars, as many at a time as fit in `cap` rows (at
-    least one: a row group is decoded whole), each read in even batches of at most `cap`."""
-    offset = sum(meta.row_group(g).num_rows for g in range(span[0]))
-    sizes = [meta.row_group(g).num_rows for g in span]
-    while sizes:
-        rows = sizes.pop(0)
-        while sizes and rows + sizes[0] <= cap:
-            rows += sizes.pop(0)
+    """Consecutive row groups (of `sizes` rows, the first starting at row `first_row` of the
+    file) decoded by Polars, as many at a time as fit in `cap` rows (at least one: a row group
+    is decoded whole), each read in even batches of at most `cap` rows."""
+    offset, group = first_row, 0
+    while group < len(sizes):
+        rows = sizes[group]
+        group += 1
+        while group < len(sizes) and rows + sizes[group] <= cap:
+            rows += sizes[group]
+            group += 1
         # The slice is pushed down to the row groups: only those it covers are read.
-        scan = pl.scan_parquet(file.path, hive_partitioning=False, glob=False)
+        scan = pl.scan_parquet(path, hive_partitioning=False, glob=False)
         yield from _even_slices(scan.slice(offset, rows).select(columns).collect(), cap)
         offset += rows
 
 
 def _even_slices(frame: pl.DataFrame, cap: int) -> Iterator[pl.DataFrame]:
+    """`frame` in even slices of at most `cap` rows (views, no copy)."""
     size = _even(frame.height, cap) or 1
     for offset in range(0, frame.height, size):
         yield frame.slice(offset, size)
