@@ -39,23 +39,23 @@ def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
     with parquet:
         meta = parquet.metadata
         groups = list(range(meta.num_row_groups) if file.row_groups is None else file.row_groups)
-        rows = sum(meta.row_group(g).num_rows for g in groups)
+        sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        rows = sum(sizes[g] for g in groups)
         if rows == 0:
             return
         row_bytes = _decoded_row_bytes(parquet, present, groups, rows)
         cap = max(1, min(limits.BATCH_ROWS, limits.BATCH_BYTES // max(1, row_bytes)))
         by_polars = _polars_decodes(meta, present, groups, row_bytes)
-        sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         first_rows = list(itertools.accumulate(sizes, initial=0))
         for span, step in _step_spans(meta, file, groups):
             # A span of row groups of one step (by their statistics) is read without its
             # step column, the step given as a constant: no decoding of a value per row.
             columns = present if step is None else [c for c in present if c != "step"]
+            span_sizes = [sizes[g] for g in span]
             if by_polars:
-                span_sizes = [sizes[g] for g in span]
                 reads = _polars_reads(file.path, first_rows[span[0]], span_sizes, columns, cap)
             else:
-                reads = _arrow_reads(parquet, span, columns, cap)
+                reads = _arrow_reads(parquet, span, sum(span_sizes), columns, cap)
             for read in reads:
                 if step is not None:
                     steps = pl.repeat(step, read.height, dtype=file.schema["step"], eager=True)
@@ -64,11 +64,11 @@ def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
 
 
 def _arrow_reads(
-    parquet: pq.ParquetFile, span: list[int], columns: list[str], cap: int
+    parquet: pq.ParquetFile, span: list[int], rows: int, columns: list[str], cap: int
 ) -> Iterator[pl.DataFrame]:
-    """Consecutive row groups decoded by pyarrow, in even batches of at most `cap` rows."""
-    meta = parquet.metadata
-    size = _even(sum(meta.row_group(g).num_rows for g in span), cap)
+    """Consecutive row groups (of `rows` rows in all) decoded by pyarrow, in even batches of at
+    most `cap` rows."""
+    size = _even(rows, cap)
     # One thread per read: the workers are the parallelism (the columns decoded in parallel
     # besides only add hand-offs).
     batches = parquet.iter_batches(
