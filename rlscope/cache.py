@@ -13,6 +13,7 @@ from typing import Any
 
 import polars as pl
 
+from rlscope._version import __version__
 from rlscope.atomic import atomic_write
 from rlscope.reader import Run
 from rlscope.tokenscan import FILE_ID, LEVEL_KEYS, TokenFile, TokenPlan, merge, value_columns
@@ -57,11 +58,17 @@ def import_cache_dir(
     return cache_root(root) / "imports" / f"{Path(source).resolve().name}-{format}-{digest}"
 
 
+#: Bumped whenever what a store holds is written differently (the MANIFEST's `format`, with
+#: rlscope's version): a store of another format or version is ignored and rebuilt, never read.
+STORE_FORMAT = 2  # 2: a frame with no row keeps its columns and types
+
+
 class Parts:
-    """Per-file frames on disk, in parts: a folder holds `MANIFEST` (the parts that make the
-    store, a JSON list) and one folder per part — `files.arrow` (each of its files' key and id)
-    and one Arrow IPC file per frame name with those files' rows tagged by id — so loading
-    costs a read per part and name whatever the number of files.
+    """Per-file frames on disk, in parts: a folder holds `MANIFEST` (its format and the parts
+    that make the store, JSON) and one folder per part — `files.arrow` (each of its files' key
+    and id) and one Arrow IPC file per frame name with those files' rows tagged by id, its
+    columns and types those the frames had even where no file had a row — so loading costs a
+    read per part and name whatever the number of files.
 
     Writing is incremental: the files an analysis reads are written as new parts as they come
     (a part per PART_ROWS rows, so they are never all held), then named in a new manifest (an
@@ -92,12 +99,18 @@ class Parts:
         self._keys: list[str] = []  # of the tagged frames not yet written
         self._tagged: dict[str, list[pl.DataFrame]] = {}
         self._written: list[str] = []
+        self._stale: list[str] = []  # the parts of a store of another format, removed on commit
 
     def open(self, keys: Sequence[str]) -> list[bool]:
-        """Which of `keys` the store holds (nothing when it is absent or unreadable)."""
+        """Which of `keys` the store holds (nothing when it is absent, unreadable, or of another
+        format or rlscope version)."""
         position = {key: i for i, key in enumerate(keys)}
         try:
-            self._manifest = json.loads((self.folder / "MANIFEST").read_text())
+            manifest = json.loads((self.folder / "MANIFEST").read_text())
+            if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT_KEY:
+                self._stale = _part_names(manifest)
+                return [False] * len(keys)
+            self._manifest = _part_names(manifest)
             for part in self._manifest:
                 known = _read_ipc(self.folder / part / "files.arrow")
                 live = known.filter(pl.col("key").is_in(list(position)))
@@ -142,10 +155,9 @@ class Parts:
         """The pending files' frames as one frame per name, tagged by id; a part written once
         they hold PART_ROWS rows."""
         for i, (key, one) in enumerate(self._pending, start=len(self._keys)):
-            for name in self.names:
-                if one[name].height:
-                    tagged = one[name].with_columns(pl.lit(i, pl.Int64).alias(FILE_ID))
-                    self._tagged.setdefault(name, []).append(tagged)
+            for name in self.names:  # a frame with no row too: it carries the columns
+                tagged = one[name].with_columns(pl.lit(i, pl.Int64).alias(FILE_ID))
+                self._tagged.setdefault(name, []).append(tagged)
             self._keys.append(key)
         self._pending = []
         for name, frames in self._tagged.items():
@@ -201,10 +213,13 @@ class Parts:
                 merged = small if len(small) >= 2 else parts
                 parts = [part for part in parts if part not in merged]
                 parts.append(self._compacted(merged))
-            atomic_write(self.folder / "MANIFEST", json.dumps(parts))
+            atomic_write(
+                self.folder / "MANIFEST", json.dumps({"format": _FORMAT_KEY, "parts": parts})
+            )
         except (OSError, pl.exceptions.PolarsError):
             return
-        for old in {*self._manifest, *self._written} - set(parts):  # a reader may hold one
+        gone = {*self._manifest, *self._written, *self._stale} - set(parts)
+        for old in gone:  # a reader may hold one
             shutil.rmtree(self.folder / old, ignore_errors=True)
         for legacy in self.folder.glob("gen-*"):  # rlscope before parts: one pack per analysis
             shutil.rmtree(legacy, ignore_errors=True)
@@ -224,12 +239,11 @@ class Parts:
             keys += known["key"].to_list()
             for name in self.names:
                 frame = _read_ipc(self.folder / part / f"{name}.arrow")
-                if frame.height:
-                    tagged[name].append(
-                        frame.join(renumber, on=FILE_ID)
-                        .with_columns(pl.col("new").alias(FILE_ID))
-                        .drop("new")
-                    )
+                tagged[name].append(
+                    frame.join(renumber, on=FILE_ID)
+                    .with_columns(pl.col("new").alias(FILE_ID))
+                    .drop("new")
+                )
         part = self._write_part(keys, tagged)
         self._files[part], self._live[part] = len(keys), list(range(len(keys)))
         return part
@@ -331,6 +345,18 @@ class PartialCache:
         """The store of `table`'s per-file (or per-group-of-files) frames of one kind."""
         folder = self.base / "table-partials" / table / role / fingerprint / _run_digest(run)
         return Parts(folder, names)
+
+
+_FORMAT_KEY = f"{STORE_FORMAT}/{__version__}"
+
+
+def _part_names(manifest: Any) -> list[str]:
+    """The part folders a MANIFEST names (of this format, or of an older one: a JSON list),
+    only names of parts (never a path out of the store)."""
+    parts = manifest.get("parts") if isinstance(manifest, dict) else manifest
+    if not isinstance(parts, list):
+        return []
+    return [p for p in parts if isinstance(p, str) and p.startswith("part-") and "/" not in p]
 
 
 def _read_ipc(path: Path) -> pl.DataFrame:

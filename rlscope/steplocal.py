@@ -179,8 +179,8 @@ def read_step_local(
             )
         results.commit()
     merged = {}
-    for name in names:
-        parts = [cached[name].drop(FILE_ID)] if name in cached and cached[name].height else []
+    for name in names:  # a cached frame with no row still has the columns a read one has
+        parts = [cached[name].drop(FILE_ID)] if name in cached else []
         parts += [computed[name]] if name in computed else []
         if parts:
             merged[name] = pl.concat(parts, how="diagonal_relaxed").filter(run.in_step_range())
@@ -221,14 +221,13 @@ def read_probes(
     ]
     results = store.table_frames(run, "probes", "results", fingerprint, [PROBE_ROWS])
     hits = results.open(entry_keys)
-    cached = pl.DataFrame()
+    parts = []
     if any(hits):
         try:
-            cached = _collect_concat(results.scans(PROBE_ROWS), None)
+            parts.append(_collect_concat(results.scans(PROBE_ROWS), None).drop(FILE_ID))
         except CACHE_ERRORS:
             hits = [False] * n_files
     missed = [i for i, hit in enumerate(hits) if not hit]
-    parts = [cached.drop(FILE_ID)] if cached.height else []
     if missed:
         needed = sorted({r for i in missed for r in basis[i]})
         query = rows_of(unranged.only("probes", missed).only("rollouts", needed or [0]))
@@ -242,8 +241,6 @@ def read_probes(
             results.add(entry_keys[i], {PROBE_ROWS: per_file.get((i,), empty)})
         results.commit()
         parts.append(computed.drop(FILE_INDEX))
-    if not parts:  # every probes file cached, none with a row
-        parts.append(pl.DataFrame(schema=rows_of(unranged).drop(FILE_INDEX).collect_schema()))
     rows = pl.concat(parts, how="diagonal_relaxed")
     return rows.filter(run.in_step_range()), TableRead(n_files, len(missed))
 
@@ -265,9 +262,9 @@ def _collect_rows(run: Run, query: pl.LazyFrame) -> pl.DataFrame:
 
 
 def _collect_concat(scans: list[pl.LazyFrame], schema: dict[str, Any] | None) -> pl.DataFrame:
-    """The scans' rows as one frame (a part whose files had no row stores no column: with
-    `schema`, those columns are there all the same)."""
-    frames = [f for f in pl.collect_all(scans) if f.height] if scans else []
+    """The scans' rows as one frame, with the columns and types the stored frames had (rows
+    or none; with `schema`, its columns are there even when there is no part)."""
+    frames = pl.collect_all(scans) if scans else []
     base = [pl.DataFrame(schema=schema)] if schema is not None else []
     return pl.concat(base + frames, how="diagonal_relaxed") if base + frames else pl.DataFrame()
 

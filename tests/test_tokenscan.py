@@ -670,7 +670,7 @@ def test_folding_partials_as_files_come_changes_nothing(
 
 def _parts(cache: PartialCache) -> list[Path]:
     (manifest,) = cache.root.rglob("MANIFEST")
-    return [manifest.parent / name for name in json.loads(manifest.read_text())]
+    return [manifest.parent / name for name in json.loads(manifest.read_text())["parts"]]
 
 
 def test_the_cache_grows_by_parts_drops_gone_files_and_compacts(
