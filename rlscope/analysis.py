@@ -69,7 +69,7 @@ def analyze(
         catalog=catalog,
     )
     run.check_unchanged()  # what was scanned is still the snapshot taken at open
-    findings, rule_skips, judged = evaluate(computed, config, catalog)
+    evaluation = evaluate(computed, config, catalog)
 
     sizes = computed.aggregates.get(SIZES_LEVEL)
     rollouts = pl.col("n") * pl.col("groups")
@@ -114,11 +114,11 @@ def analyze(
     return Report(
         run=info,
         metrics=computed.results,
-        findings=tuple(findings),
-        skipped=computed.skipped + tuple(rule_skips),
-        warnings=run.warnings + computed.warnings,
+        findings=tuple(evaluation.findings),
+        skipped=computed.skipped + tuple(evaluation.skipped),
+        warnings=run.warnings + computed.warnings + tuple(evaluation.warnings),
         notes=tuple(notes),
-        judged=judged,
+        judged=evaluation.judged,
         config=config.summary(),
     )
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+from rlscope._version import __version__
 from rlscope.catalog import Catalog, default_catalog
 from rlscope.config import Config
 from rlscope.engine import Computed
@@ -12,14 +14,26 @@ from rlscope.rules.base import RuleContext
 from rlscope.spec import Finding, severity_rank
 
 
-def evaluate(
-    computed: Computed, config: Config, catalog: Catalog | None = None
-) -> tuple[list[Finding], list[Skipped], tuple[str, ...]]:
+@dataclass(frozen=True)
+class Evaluation:
+    """The findings of a run, the rules that could not judge it, the metrics some rule judged
+    (read and had the data for; in results order: only those may be shown as `ok`) and the
+    warnings of rules that failed."""
+
+    findings: list[Finding]
+    skipped: list[Skipped]
+    judged: tuple[str, ...]
+    warnings: list[str]
+
+
+def evaluate(computed: Computed, config: Config, catalog: Catalog | None = None) -> Evaluation:
     """Run every enabled rule of the catalog (rlscope's own by default); a rule whose metrics
-    are all missing is reported as skipped. Also returns the metrics some rule judged (read and
-    had the data for), in results order: only those may be shown as `ok`."""
+    are all missing is reported as skipped. A rule that raises is rlscope's bug, never the end
+    of the analysis: it is reported as skipped (`failed`) with the error, and a warning asks
+    for a report; the other rules judge as usual."""
     findings: list[Finding] = []
     skipped: list[Skipped] = []
+    warnings: list[str] = []
     judged: set[str] = set()
     for rule in (catalog or default_catalog()).rules.values():
         override = config.findings.get(rule.id, {})
@@ -36,9 +50,22 @@ def evaluate(
         ctx = RuleContext(
             rule, params, severity, computed.results, computed.frames, computed.aggregates
         )
-        findings.extend(rule.check(ctx))
+        try:
+            findings.extend(list(rule.check(ctx)))
+        except Exception as exc:  # one rule's bug must not end the analysis
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            skipped.append(
+                Skipped(rule.id, f"rlscope failed ({error})", rule.layer, "finding", True)
+            )
+            warnings.append(
+                f"{rule.id}: rlscope failed to judge this run ({error}); the other findings "
+                f"stand. Please report it (rlscope {__version__}, with `--format json` output)"
+            )
+            continue
         judged.update(
             m for m in computed.results if any(fnmatchcase(m, pattern) for pattern in rule.metrics)
         )
     findings.sort(key=lambda f: (-severity_rank(f.severity), f.layer, f.id))
-    return findings, skipped, tuple(m for m in computed.results if m in judged)
+    return Evaluation(
+        findings, skipped, tuple(m for m in computed.results if m in judged), warnings
+    )

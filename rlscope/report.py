@@ -68,6 +68,7 @@ class Skipped:
     reason: str
     layer: str = ""
     kind: str = "metric"  # or "finding"
+    failed: bool = False  # a rule that raised: rlscope's bug, not the run's missing inputs
 
 
 @dataclass(frozen=True)

@@ -137,3 +137,50 @@ def test_lookup_select_and_one_hint() -> None:
         catalog.select(["signal.pass_at_kk"], available)
     with pytest.raises(RlscopeError, match="matches no metric"):
         catalog.select(["nope.*"], available)
+
+
+def test_a_rule_that_raises_is_a_failed_skip_and_a_warning_never_the_end(
+    write_run: WriteRun,
+) -> None:
+    """One rule's bug: that rule is skipped (`failed`, with the error) and a warning asks for a
+    report; every other rule still judges; the terminal does not list it as inputs missing;
+    JUnit counts it as an error."""
+    from rich.console import Console
+
+    from rlscope.gates import check
+    from rlscope.render.ci import render_junit
+    from rlscope.render.terminal import render_terminal
+
+    declared = _declared()
+
+    @declared.rule(
+        "demo-broken",
+        layer="L3",
+        title="Broken",
+        doc="Raises.",
+        remedy="Report it.",
+        metrics=("demo.mean_reward",),
+    )
+    def broken(ctx: Any) -> Any:
+        yield ctx.finding("never")
+        raise KeyError("sxx")
+
+    rows = {
+        "step": [s for s in range(4) for _ in range(4)],
+        "prompt_id": ["p", "p", "q", "q"] * 4,
+        "rollout_id": list(range(16)),
+        "response_len": [10] * 16,
+        "reward": [0.0, 0.2, 0.1, 0.3] * 4,
+    }
+    run = write_run({"rollouts": rows})
+    catalog = Catalog.of([declared])
+    report = analyze(run, catalog=catalog, use_cache=False)
+    assert [f.id for f in report.findings] == ["demo-low"]  # the half-made finding is dropped
+    (skip,) = [s for s in report.skipped if s.metric == "demo-broken"]
+    assert skip.failed and skip.kind == "finding" and "KeyError" in skip.reason
+    assert any(w.startswith("demo-broken: rlscope failed") for w in report.warnings)
+    console = Console(record=True, width=100, color_system=None)
+    render_terminal(report, console, quiet=True)
+    assert "inputs missing): demo-broken" not in console.export_text()
+    junit = render_junit(check(run, catalog=catalog))
+    assert 'errors="1"' in junit and '<error message="rlscope failed (KeyError' in junit

@@ -108,11 +108,13 @@ def _xml_text(value: object) -> str:
 def render_junit(result: CheckResult) -> str:
     """One <testcase> per gate bound and per registered finding: a breach is a <failure>; a
     breached gate or fired finding below --fail-on passes with the message in <system-out>; a
-    finding that could not run (inputs missing, disabled) is <skipped>."""
+    finding that could not run (inputs missing, disabled) is <skipped>, one whose rule failed
+    (rlscope's bug) an <error>."""
     run = result.report.run
     suites = ET.Element("testsuites", name="rlscope")
     cases: list[ET.Element] = []
-    failures = skipped = 0
+    failures = skipped = errors = 0
+    failed = {s.metric for s in result.report.skipped if s.failed}
     for gate in result.gates:
         case = ET.Element(
             "testcase",
@@ -146,6 +148,9 @@ def render_junit(result: CheckResult) -> str:
             ET.SubElement(case, "system-out").text = _xml_text(
                 f"{finding.severity} (below --fail-on {result.fail_on}): {finding.message}"
             )
+        elif rule_id in failed:
+            errors += 1
+            ET.SubElement(case, "error", message=_xml_text(reason or ""), type="rlscope")
         elif reason is not None:
             skipped += 1
             ET.SubElement(case, "skipped", message=_xml_text(reason))
@@ -156,7 +161,7 @@ def render_junit(result: CheckResult) -> str:
         name=_xml_text(f"rlscope check {run.run_id}"),
         tests=str(len(cases)),
         failures=str(failures),
-        errors="0",
+        errors=str(errors),
         skipped=str(skipped),
     )
     properties = ET.SubElement(suite, "properties")

@@ -600,7 +600,9 @@ def render_html(
             parts.append(f"<p>{_e(label)}: no findings.</p>" if multi else "<p>No findings.</p>")
         for finding in report.findings:
             parts.append(_card(finding, report, index, label, multi, align, smooth))
-    unchecked = sorted({s.metric for r in reports for s in r.skipped if s.kind == "finding"})
+    unchecked = sorted(
+        {s.metric for r in reports for s in r.skipped if s.kind == "finding" and not s.failed}
+    )
     if unchecked:
         parts.append(
             "<p class='dim'>Not checked (inputs missing): "

@@ -227,7 +227,7 @@ def _findings(report: Report) -> Panel:
                 Text(safe_text(f"{finding.id} ({finding.layer})"), style="bold"),
                 Text(safe_text(finding.message)),
             )
-    unchecked = [s for s in report.skipped if s.kind == "finding"]
+    unchecked = [s for s in report.skipped if s.kind == "finding" and not s.failed]
     if unchecked:
         names = ", ".join(s.metric for s in unchecked)
         body = Group(body, Text(safe_text(f"not checked (inputs missing): {names}"), style="dim"))
