@@ -123,14 +123,17 @@ def _assert_fires(report: Report, expected: str) -> None:
     fired = {f.id: f for f in report.findings}
     assert expected in fired, f"{expected} did not fire; got {_alarms(report)}"
     finding = fired[expected]
-    # A too-easy curriculum is information (the policy solved its prompts), not an alarm.
+    # A too-easy curriculum is information (the policy solved its prompts), not an alarm,
+    # until most of the batch is wasted (from critical_at: a warning, never critical).
     too_easy = finding.evidence.get("side") == "too easy"
     assert (
         finding.severity in ("warn", "critical")
         or finding.severity == RULES[expected].severity
         or too_easy
     )
-    assert not too_easy or finding.severity == "info"
+    if too_easy:
+        wasted = finding.evidence["zero_std_frac"] >= RULES[expected].params["critical_at"].default
+        assert finding.severity == ("warn" if wasted else "info")
     assert finding.message and finding.evidence.get("steps")
 
 

@@ -199,29 +199,41 @@ def test_dead_prompts_small_batch_noise_is_silent() -> None:
     assert found == []
 
 
-def test_dead_prompts_large_batch_fires_and_too_easy_is_info() -> None:
-    values = [0.85] * 80
-    frames = {"signal.zero_std_frac": _zero_std_frame(values, 256)}
-    hard = judge(
+def _dead_prompts(zero: float, easy: float, hard: float, groups: int = 256) -> list[Finding]:
+    values = [zero] * 80
+    return judge(
         "dead-prompts",
         {
             "signal.zero_std_frac": values,
-            "signal.all_correct_frac": [0.05] * 80,
-            "signal.all_wrong_frac": [0.8] * 80,
+            "signal.all_correct_frac": [easy] * 80,
+            "signal.all_wrong_frac": [hard] * 80,
         },
-        frames,
+        {"signal.zero_std_frac": _zero_std_frame(values, groups)},
     )
-    assert [(f.id, f.severity) for f in hard] == [("dead-prompts", "critical")]
-    easy = judge(
-        "dead-prompts",
-        {
-            "signal.zero_std_frac": values,
-            "signal.all_correct_frac": [0.8] * 80,
-            "signal.all_wrong_frac": [0.05] * 80,
-        },
-        frames,
-    )
-    assert [(f.id, f.severity) for f in easy] == [("dead-prompts", "info")]
+
+
+def test_dead_prompts_large_batch_fires_and_too_easy_is_info_below_the_critical_share() -> None:
+    """Too hard keeps the severity; too easy is `info` for a moderate share (the policy solved
+    most of its prompts) and a warning from `critical_at` on (most of the batch is wasted)."""
+    (hard,) = _dead_prompts(0.85, 0.05, 0.8)
+    assert hard.severity == "critical" and hard.evidence["side"] == "too hard"
+    (easy,) = _dead_prompts(0.6, 0.55, 0.05)
+    assert easy.severity == "info" and easy.evidence["side"] == "too easy"
+    (wasted,) = _dead_prompts(0.9, 0.88, 0.02)
+    assert wasted.severity == "warn" and "≈90% of the rollouts" in wasted.message
+    assert "stop, or harden the data" in wasted.message
+    # A small batch: the share must still be surely past warn_at to say anything.
+    assert _dead_prompts(0.6, 0.55, 0.05, groups=2) == []
+
+
+def test_dead_prompts_says_when_the_reward_varies_within_solved_groups() -> None:
+    """87% zero-σ but 94% all correct: both are true, measured on different things (the
+    reward vs correctness); the message says so instead of reading as a contradiction."""
+    (finding,) = _dead_prompts(0.87, 0.94, 0.0)
+    assert "94% of the groups are all correct" in finding.message
+    assert "other terms vary" in finding.message
+    (plain,) = _dead_prompts(0.87, 0.85, 0.02)
+    assert "other terms vary" not in plain.message
 
 
 # --- overthinking needs length growth; divergence; KL level -------------------------------------

@@ -28,7 +28,7 @@ DECLARED = Declarations()
     "dead-prompts",
     brief=(
         "≥ 50% zero-σ groups two standard errors deep (critical when the level is ≥ 80%); too "
-        "hard keeps the severity, too easy is `info` (the policy solved its prompts)"
+        "hard keeps the severity, too easy is `info`, and a warning from 80% on"
     ),
     layer="L3",
     title="Most prompt groups carry no learning signal",
@@ -37,16 +37,25 @@ DECLARED = Declarations()
     "larger of the binomial error over the window's groups and the step-to-step scatter), so a "
     "final window of a few dozen groups does not fire on noise. Those groups get zero advantage "
     "under GRPO: their samples are wasted compute (seed §4: σ_G = 0 all correct = too easy, all "
-    "wrong = too hard). Which side decides the severity: all-wrong groups (too hard: the policy "
-    "is left behind, no signal to learn from) keep it; all-correct groups (too easy) are "
-    "`info` — a policy that has solved its prompts is the goal of training, and the remedy (a "
-    "harder curriculum, dynamic sampling) is an efficiency choice, not a repair.",
-    remedy="too easy: drop solved prompts, harder curriculum, DAPO dynamic sampling; too hard: "
+    "wrong = too hard), and with groups of one size the effective batch is the nominal one "
+    "times (1 − the share). Which side decides the severity: all-wrong groups (too hard: the "
+    "policy is left behind, no signal to learn from) keep it. All-correct groups (too easy) are "
+    "`info` below `critical_at` — a policy that has solved most of its prompts is the goal of "
+    "training, and a moderate share only costs efficiency — and a warning from `critical_at` "
+    "on: then nearly every rollout is generated for no gradient (at 90%, a tenth of the batch "
+    "still teaches), and the run must change now (stop, or harden the data). Zero variance is "
+    "measured on the reward, all correct / all wrong on correctness: where the reward has terms "
+    "beyond correctness (format, length), a solved group can still have reward variance, so "
+    "the two shares need not add up; the message gives both.",
+    remedy="too easy: stop (the prompts are solved), or drop solved prompts / a harder "
+    "curriculum, DAPO dynamic sampling (filter zero-σ groups before the update); too hard: "
     "easier prompts, SFT warm-up, partial-credit rewards, larger groups.",
     metrics=("signal.zero_std_frac", "signal.all_correct_frac", "signal.all_wrong_frac"),
     params={
         "warn_at": Param(0.5, "final-window zero-σ share for a warning"),
-        "critical_at": Param(0.8, "final-window zero-σ share for a critical finding"),
+        "critical_at": Param(
+            0.8, "final-window zero-σ share for a critical finding (too easy: a warning)"
+        ),
     },
 )
 def dead_prompts(ctx: RuleContext) -> Iterator[Finding]:
@@ -63,12 +72,24 @@ def dead_prompts(ctx: RuleContext) -> Iterator[Finding]:
     hard_level = final_mean(hard) if hard is not None and len(hard) else None
     if easy_level is not None and hard_level is not None:
         side = "too easy" if easy_level >= hard_level else "too hard"
-        detail = f" ({pct(easy_level)} all correct, {pct(hard_level)} all wrong: {side})"
+        detail = (
+            f" ({side}: by correctness, {pct(easy_level)} of the groups are all correct and "
+            f"{pct(hard_level)} all wrong"
+        )
+        if easy_level + hard_level > level + 2 * se:
+            detail += "; some solved or failed groups still differ in reward: other terms vary"
+        detail += ")"
     else:
         side, detail = "unknown", ""
     if side == "too easy":
-        severity = "info"
-        detail += "; the policy has solved most of its prompts"
+        severity = "warn" if severity == "critical" else "info"
+        detail += (
+            f": the policy has solved its prompts, and ≈{pct(level)} of the rollouts are "
+            "generated for no gradient — stop, or harden the data (drop solved prompts, "
+            "filter zero-σ groups as DAPO does)"
+            if severity == "warn"
+            else "; the policy has solved most of its prompts"
+        )
     yield ctx.finding(
         f"{pct(level)} of prompt groups have zero reward variance and give no gradient{detail}.",
         severity=severity,
