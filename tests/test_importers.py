@@ -283,11 +283,17 @@ def test_trl_chat_messages_and_options(tmp_path: Path) -> None:
 def test_trl_reused_batch_is_not_imported_twice(tmp_path: Path) -> None:
     src = tmp_path / "reuse"
     rows = [{"prompt": "p", "completion": c, "r": float(i)} for i, c in enumerate("ab")]
-    write_trl_file(src / "completions", 1, rows)
-    write_trl_file(src / "completions", 2, rows)
+    for step in (1, 2, 3, 4):  # one generation batch for four optimizer steps
+        write_trl_file(src / "completions", step, rows)
     result = import_run("trl", src, tmp_path / "out")
     assert result.rows["rollouts"] == 2
-    assert any("reused generation batch" in n for n in result.notes)
+    # One line with the count, not a note per file.
+    reused = [n for n in result.notes if "generation batch reused" in n]
+    assert reused == [
+        "3 completions file(s) hold the same batch as the file before (a generation batch "
+        "reused for several optimizer steps: steps_per_generation or num_iterations > 1), "
+        "not imported again"
+    ]
 
 
 # --- verl ---------------------------------------------------------------------------------

@@ -307,6 +307,13 @@ def _history_info(history: list) -> _Info:
 
 
 def _count_warnings(counts: Counter[str], session: Session) -> None:
+    """One line per kind of what the completions files had, with its count (not one a file)."""
+    if counts["reused_batches"]:
+        session.notes.append(
+            f"{counts['reused_batches']} completions file(s) hold the same batch as the file "
+            "before (a generation batch reused for several optimizer steps: "
+            "steps_per_generation or num_iterations > 1), not imported again"
+        )
     if counts["eval_rows"]:
         session.warnings.append(
             f"{counts['eval_rows']:,} row(s) of {counts['eval_files']} completions file(s) "
@@ -499,10 +506,7 @@ def _import_file(
         digest_size=16,
     ).hexdigest()
     if digest == state.get("last_batch"):
-        session.notes.append(
-            f"{path.name}: same batch as the previous completions file (a reused generation "
-            "batch), not imported again"
-        )
+        counts["reused_batches"] += 1
         return n_steps
     state["last_batch"] = digest
     frame = keep_new_steps(frame, path, session, status)
