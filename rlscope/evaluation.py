@@ -48,7 +48,13 @@ def evaluate(computed: Computed, config: Config, catalog: Catalog | None = None)
         }
         severity = override.get("severity")
         ctx = RuleContext(
-            rule, params, severity, computed.results, computed.frames, computed.aggregates
+            rule,
+            params,
+            severity,
+            computed.results,
+            computed.frames,
+            computed.aggregates,
+            computed.context.run.meta,
         )
         try:
             findings.extend(list(rule.check(ctx)))

@@ -156,6 +156,12 @@ RUN_FIELDS: tuple[MetaField, ...] = (
     MetaField("clip_ratio_low", "number", False, "PPO epsilon_low (default 0.2)"),
     MetaField("clip_ratio_high", "number", False, "PPO epsilon_high (default clip_ratio_low)"),
     MetaField("max_response_len", "integer", False, "generation length cap in tokens"),
+    MetaField(
+        "max_grad_norm",
+        "number",
+        False,
+        "the trainer's gradient-norm clip (TRL `max_grad_norm`, verl `grad_clip`)",
+    ),
     MetaField("correct_threshold", "number", False, "reward >= this counts as correct"),
     MetaField(
         "correct_source",

@@ -171,7 +171,7 @@ def fill(trainer: Any, prompts: list[str], rewards: dict[str, list[float]]) -> N
 
 
 def events(callback: RlscopeCallback, main: bool = True) -> Any:
-    args = SimpleNamespace(num_generations=4, epsilon=0.2, epsilon_high=None)
+    args = SimpleNamespace(num_generations=4, epsilon=0.2, epsilon_high=None, max_grad_norm=1.0)
     state = SimpleNamespace(global_step=0, is_world_process_zero=main)
 
     def fire(event: str, step: int | None = None, **kwargs: Any) -> None:
@@ -202,7 +202,8 @@ def test_callback_steps_merge_and_map(tmp_path: Path) -> None:
     assert steps["eval_loss"].to_list() == [0.7, None]
     assert not {"note", "learning_rate", "train_loss", "train_runtime"} & set(steps.columns)
     assert set(STEP_KEYS.values()) <= {"loss", "grad_norm", "lr", "entropy", "kl", "clip_frac"}
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["run_id"] == "unit"
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert meta["run_id"] == "unit" and meta["max_grad_norm"] == 1.0
     assert callback.closed and callback.writer is not None and callback.writer._closed
     fire("on_log", 3, logs={"loss": 1.0})  # after the end: ignored, no error
     callback.close()  # idempotent

@@ -31,6 +31,7 @@ def judge(
     rule_id: str,
     series: Mapping[str, Sequence[float]],
     frames: Mapping[str, pl.DataFrame] | None = None,
+    meta: Mapping[str, object] | None = None,
 ) -> list[Finding]:
     """The rule's findings on these per-step series (steps 1..n), with default params."""
     rule = RULES[rule_id]
@@ -39,7 +40,7 @@ def judge(
     for m, r in results.items():
         frames.setdefault(m, pl.DataFrame({"step": list(r.steps), "value": list(r.values)}))
     params = {k: p.default for k, p in rule.params.items()}
-    ctx = RuleContext(rule, params, None, results, frames)
+    ctx = RuleContext(rule, params, None, results, frames, meta=meta)
     return list(rule.check(ctx))
 
 
@@ -234,6 +235,70 @@ def test_dead_prompts_says_when_the_reward_varies_within_solved_groups() -> None
     assert "other terms vary" in finding.message
     (plain,) = _dead_prompts(0.87, 0.85, 0.02)
     assert "other terms vary" not in plain.message
+
+
+# --- grad-spike: against the steps before, severity by what reaches the optimizer ---------------
+
+
+def _grad_norms(level: float = 0.3, n: int = 120, seed: int = 4) -> np.ndarray:
+    """A healthy gradient norm: lognormal scatter (σ = 0.2) around `level`."""
+    return level * np.exp(np.random.default_rng(seed).normal(0, 0.2, n))
+
+
+def test_grad_spike_followed_by_a_level_shift_is_found_and_the_shift_said() -> None:
+    """One step ×50, then the norm stays ×6 higher: a centred window containing the shift
+    swallowed the spike; judged against the steps before, it is found, and the shift said."""
+    grad = _grad_norms()
+    grad[60] *= 50
+    grad[61:] *= 6
+    (found,) = judge("grad-spike", {"stability.grad_norm": grad})
+    assert found.steps == (61,) and found.evidence["ratios"][0] > 30
+    assert found.severity == "warn"
+    assert found.evidence["level_shift"]["step"] == 61
+    assert 4 < found.evidence["level_shift"]["ratio"] < 9
+    assert "a level shift" in found.message
+
+
+def test_a_small_excursion_is_info_and_a_large_one_a_warning() -> None:
+    """×5 once (under Adam the update grows by less than it varies): info; ×30: a warning."""
+    grad = _grad_norms()
+    grad[70] *= 5
+    (small,) = judge("grad-spike", {"stability.grad_norm": grad})
+    assert small.steps == (71,) and small.severity == "info"
+    grad[90] *= 30
+    (both,) = judge("grad-spike", {"stability.grad_norm": grad})
+    assert both.steps == (71, 91) and both.severity == "warn"
+    assert judge("grad-spike", {"stability.grad_norm": _grad_norms()}) == []
+
+
+def test_grad_spike_severity_after_the_trainers_clip() -> None:
+    """The logged norm is before clipping: with run.json's max_grad_norm, what reached the
+    optimizer is min(norm, clip). A ×30 spike of norms ~0.01 stays far under a clip of 1 (a
+    warning: all of it reached Adam); a ×30 spike of norms ~0.3 is cut to ×3.3 by it (info)."""
+    tiny = _grad_norms(level=0.01)
+    tiny[80] *= 30
+    (under,) = judge("grad-spike", {"stability.grad_norm": tiny}, meta={"max_grad_norm": 1.0})
+    assert under.severity == "warn" and under.evidence["effective_ratio"] > 20
+    grad = _grad_norms()
+    grad[80] *= 30
+    (clipped,) = judge("grad-spike", {"stability.grad_norm": grad}, meta={"max_grad_norm": 1.0})
+    assert clipped.severity == "info" and clipped.evidence["effective_ratio"] < 4
+    assert "the trainer clips at 1" in clipped.message
+    (unknown,) = judge("grad-spike", {"stability.grad_norm": grad})
+    assert unknown.severity == "warn" and unknown.evidence["max_grad_norm"] is None
+
+
+def test_grad_spike_judged_on_a_prefix_is_judged_the_same_on_the_whole_run() -> None:
+    """Each step is judged against the steps before it only: the spikes found on steps 1..s
+    are the whole run's spikes up to s, at every s."""
+    grad = _grad_norms(n=150, seed=9)
+    for at, k in ((30, 8), (75, 40), (76, 6), (110, 12)):
+        grad[at] *= k
+    whole = judge("grad-spike", {"stability.grad_norm": grad})[0].steps
+    assert whole == (31, 76, 111)
+    for s in range(10, 151):
+        found = judge("grad-spike", {"stability.grad_norm": grad[:s]})
+        assert (found[0].steps if found else ()) == tuple(t for t in whole if t <= s), s
 
 
 # --- overthinking needs length growth; divergence; KL level -------------------------------------

@@ -35,7 +35,8 @@ What it writes:
   `eval_*` keys. Consecutive `num_generations` completions of one prompt form a group;
   `prompt_id` is a stable hash (blake2b) of the prompt text (chat prompts: of their JSON).
 * **run.json**: `algorithm="GRPO"`, and from `GRPOConfig` unless given: `group_size`
-  (`num_generations`), `clip_ratio_low` / `clip_ratio_high` (`epsilon` / `epsilon_high`).
+  (`num_generations`), `clip_ratio_low` / `clip_ratio_high` (`epsilon` / `epsilon_high`),
+  `max_grad_norm` (TRL logs `grad_norm` before this clip; grad-spike judges what passed it).
 
 Limits, honestly:
 
@@ -271,6 +272,9 @@ class RlscopeCallback(_CallbackBase):
             meta.setdefault("clip_ratio_low", epsilon)
             high = _number(getattr(args, "epsilon_high", None))
             meta.setdefault("clip_ratio_high", high if high is not None else epsilon)
+        clip = _number(getattr(args, "max_grad_norm", None))
+        if clip is not None and clip > 0:  # TRL logs the norm before this clip
+            meta.setdefault("max_grad_norm", clip)
         meta.update(self._correctness_meta(meta))
         self._next_rollout_id = self._first_rollout_id = _next_rollout_id(self.run_dir)
         self.writer = RunWriter(self.run_dir, **meta)

@@ -114,9 +114,9 @@ def rolling_median(values: np.ndarray, window: int) -> np.ndarray:
 
 
 class RuleContext:
-    """What a rule reads, with its resolved params: computed results, their per-step frames and
-    the partial aggregates. Never the run itself: a rule does not scan (what it needs is a
-    metric or a metric's component, computed in the one scan)."""
+    """What a rule reads, with its resolved params: computed results, their per-step frames,
+    the partial aggregates and run.json. Never the run's tables: a rule does not scan (what it
+    needs is a metric or a metric's component, computed in the one scan)."""
 
     def __init__(
         self,
@@ -126,6 +126,7 @@ class RuleContext:
         results: Mapping[str, MetricResult],
         frames: Mapping[str, pl.DataFrame],
         aggregates: Mapping[tuple[str, str], pl.DataFrame] | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> None:
         self.rule = rule
         self.params = dict(params)
@@ -133,6 +134,7 @@ class RuleContext:
         self.results = results
         self.frames = frames
         self.aggregates = aggregates or {}
+        self.meta = meta or {}  # run.json: the trainer's settings (clip ratios, max_grad_norm)
 
     def series(self, metric_id: str) -> Series | None:
         result = self.results.get(metric_id)

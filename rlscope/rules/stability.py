@@ -18,9 +18,8 @@ from rlscope.rules.base import (
     final_mean,
     final_steps,
     pct,
-    rolling_median,
 )
-from rlscope.spec import Declarations, Finding, Param
+from rlscope.spec import Declarations, Finding, Param, Severity
 from rlscope.windows import window_size
 
 #: This layer's findings, in order (collected by rlscope.catalog).
@@ -151,26 +150,37 @@ def kl_high(ctx: RuleContext) -> Iterator[Finding]:
 @DECLARED.rule(
     "grad-spike",
     brief=(
-        "grad norm ≥ 4× its rolling median and 6 robust σ above it; names the step's most extreme"
-        " rollouts"
+        "grad norm ≥ 4× the median of the steps before it and 6 robust σ above them; a warning "
+        "from ×10 (after the trainer's clip); names the step's most extreme rollouts"
     ),
     layer="L1",
     title="Gradient-norm spikes",
-    doc="Steps whose gradient norm is a multiplicative outlier: at least `ratio` times the "
-    "rolling median and `robust_z` robust standard deviations above it in log space (median and "
-    "MAD over a centred window of ~10% of the run). In sparse-reward runs a spike usually comes "
-    "from one rollout of extreme reward (seed §6); each spike lists the step's rollouts furthest "
-    "from the step's mean reward (among each prompt group's highest and lowest, so the furthest "
-    "is exact; from signal.reward's components, not a second scan). Multiplicative and robust "
-    "(median/MAD in log space) so it holds at any gradient scale; the window is a share of the "
-    "run, so at any run length.",
+    doc="Steps whose gradient norm is a multiplicative outlier against the steps before it: at "
+    "least `ratio` times their median and `robust_z` robust standard deviations above it in "
+    "log space (median and MAD of the preceding ~10% of the run, at least 9 steps and at "
+    "least `min_baseline` of them). Judged against the steps before, never after: a level "
+    "shift that follows a spike does not hide it (it is said as such: three or more flagged "
+    "steps in a row are a jump that stayed), and a step judged on a prefix of the run is "
+    "judged the same on the whole run. In sparse-reward runs a spike usually comes from one "
+    "rollout of extreme reward (seed §6); each spike lists the step's rollouts furthest from "
+    "the step's mean reward (among each prompt group's highest and lowest, so the furthest is "
+    "exact; from signal.reward's components, not a second scan). Severity by what reaches the "
+    "optimizer: the logged norm is the one before clipping, so where run.json gives the "
+    "trainer's `max_grad_norm` the spike's effective size is min(norm, clip) over the "
+    "baseline. Under Adam (β1 = 0.9) one step of a gradient k× its usual size moves the "
+    "momentum by about 0.1·(k − 1) of its own size: below ×`warn_ratio` (10) the update "
+    "grows by less than it does from step to step, an `info`; from there it about doubles, a "
+    "warning. Multiplicative and robust (median/MAD in log space) so it holds at any gradient "
+    "scale; the baseline is a share of the run, so at any run length.",
     remedy="inspect the listed rollouts (reward bug, parser edge case, hacked reward); clip "
     "rewards or advantages; lower the learning rate or tighten gradient clipping.",
     metrics=("stability.grad_norm",),
     examples_from=("signal.reward",),
     params={
-        "ratio": Param(4.0, "spike = grad norm at least this many times the rolling median"),
+        "ratio": Param(4.0, "spike = grad norm at least this many times the baseline median"),
         "robust_z": Param(6.0, "and this many robust sigmas above it (log space)"),
+        "warn_ratio": Param(10.0, "a warning from this effective ratio (after the clip) on"),
+        "min_baseline": Param(5, "fewest preceding steps a step is judged against"),
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
     },
     marks="points",
@@ -184,32 +194,79 @@ def grad_spike(ctx: RuleContext) -> Iterator[Finding]:
     steps, values = grad.steps[positive], grad.values[positive]
     if len(values) < p["min_steps"]:
         return
-    logs = np.log(values)
-    window = max(9, (len(values) // 10) | 1)
-    median = rolling_median(logs, window)
-    mad = rolling_median(np.abs(logs - median), window) * 1.4826
-    ratio = np.exp(logs - median)
-    z = np.where(mad > 0, (logs - median) / np.where(mad > 0, mad, 1.0), np.inf)
-    spikes = np.flatnonzero((ratio >= p["ratio"]) & (z >= p["robust_z"]))
-    if len(spikes) == 0:
+    median, z = _trailing_baseline(np.log(values), int(p["min_baseline"]))
+    ratio = values / median
+    flagged = (ratio >= p["ratio"]) & (z >= p["robust_z"])
+    if not flagged.any():
         return
+    episodes = _runs(np.flatnonzero(flagged))
+    spikes = [int(run[0]) for run in episodes]  # where each outlier episode began
+    clip = _positive(ctx.meta.get("max_grad_norm"))
+    effective = np.minimum(values, clip) / median if clip else ratio
+    worst = max(spikes, key=lambda i: ratio[i])
+    severity: Severity = "warn" if max(effective[i] for i in spikes) >= p["warn_ratio"] else "info"
     spike_steps = [int(steps[i]) for i in spikes]
     extreme = _extreme_rollouts(ctx, spike_steps[:10])
-    worst = max(spikes, key=lambda i: ratio[i])
-    yield ctx.finding(
-        f"{len(spikes)} gradient-norm spike(s), the largest ×{ratio[worst]:.0f} the rolling "
-        f"median at step {int(steps[worst])}"
-        + (
-            f"; most extreme rollout there: {extreme[int(steps[worst])][0]['rollout_id']}"
-            if extreme.get(int(steps[worst]))
-            else ""
+    message = (
+        f"{len(spikes)} gradient-norm spike(s), the largest ×{ratio[worst]:.0f} the median of "
+        f"the steps before it at step {int(steps[worst])}"
+    )
+    if extreme.get(int(steps[worst])):
+        message += f"; most extreme rollout there: {extreme[int(steps[worst])][0]['rollout_id']}"
+    stayed = [run for run in episodes if len(run) >= 3]
+    shift = None
+    if stayed:
+        run = stayed[0]
+        shift = {"step": int(steps[run[0]]), "ratio": float(np.median(ratio[run[1:]]))}
+        message += (
+            f"; from step {shift['step']} the norm stayed ×{shift['ratio']:.1f} above its "
+            "earlier level (a level shift)"
         )
-        + ".",
+    if clip:
+        message += f"; the trainer clips at {clip:g}: ×{effective[worst]:.1f} reached the optimizer"
+    yield ctx.finding(
+        message + ".",
+        severity=severity,
         steps=spike_steps,
         ratios=[float(ratio[i]) for i in spikes],
         grad_norm=[float(values[i]) for i in spikes],
+        baseline=[float(median[i]) for i in spikes],
+        effective_ratio=float(effective[worst]),
+        max_grad_norm=clip,
+        level_shift=shift,
         rollouts=extreme,
     )
+
+
+def _trailing_baseline(logs: np.ndarray, min_baseline: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per point, the median of the points before it (as a value, from log space) and the
+    point's robust z against them: (log − median) / (1.4826 · MAD) over the preceding
+    max(9, ~10% of the series) points; NaN median and z = -inf where fewer than
+    `min_baseline` precede it. Depends only on earlier points: the same on any prefix."""
+    n = len(logs)
+    window = max(9, (n // 10) | 1)
+    median = np.full(n, np.nan)
+    z = np.full(n, -np.inf)
+    for i in range(min_baseline, n):
+        before = logs[max(0, i - window) : i]
+        centre = float(np.median(before))
+        mad = float(np.median(np.abs(before - centre))) * 1.4826
+        median[i] = math.exp(centre)
+        above = logs[i] - centre
+        z[i] = above / mad if mad > 0 else (math.inf if above > 0 else 0.0)
+    return median, z
+
+
+def _runs(indices: np.ndarray) -> list[np.ndarray]:
+    """Consecutive indices in runs: [3, 4, 5, 9] -> [[3, 4, 5], [9]]."""
+    return np.split(indices, np.flatnonzero(np.diff(indices) > 1) + 1)
+
+
+def _positive(value: Any) -> float | None:
+    """A positive finite number from run.json, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
 
 
 def _extreme_rollouts(ctx: RuleContext, steps: list[int]) -> dict[int, list[dict[str, Any]]]:
