@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -20,6 +21,14 @@ from rlscope.spec import Finding
 RULES = default_catalog().rules
 
 RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rng() -> None:
+    """Each test draws the same noise whatever ran before it in its worker (pytest-xdist
+    shares a module's tests among processes in no fixed order)."""
+    global RNG
+    RNG = np.random.default_rng(0)
 
 
 def result(metric_id: str, values: Sequence[float], steps: Sequence[int] | None = None):
@@ -484,6 +493,47 @@ def test_performance_regression_both_ways() -> None:
     assert ids(judge("performance-regression", {"signal.reward": noisy(1.0, 0.2, 80, 0.05)})) == [
         "performance-regression"
     ]
+
+
+def _pass_1_frame(
+    accuracy: Sequence[float], groups: int, size: int, seed: int, spread: float = 1.5
+) -> pl.DataFrame:
+    """pass@1's per-step frame from simulated prompt groups: each step draws `groups` prompts
+    whose solve rate is sigmoid(logit(accuracy) + N(0, spread)) (prompt difficulty), then
+    `size` rollouts of each."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step, level in enumerate(accuracy, start=1):
+        logit = math.log(level / (1 - level)) + rng.normal(0, spread, groups)
+        acc = rng.binomial(size, 1 / (1 + np.exp(-logit))) / size
+        rows.append({"step": step, "value": acc.mean(), "groups": groups, "acc_sq": (acc**2).sum()})
+    return pl.DataFrame(rows)
+
+
+def _regression(frame: pl.DataFrame) -> list[Finding]:
+    values = frame["value"].to_list()
+    return judge(
+        "performance-regression", {"signal.pass_at_1": values}, {"signal.pass_at_1": frame}
+    )
+
+
+def test_performance_regression_judges_a_sparse_series_on_its_evidence() -> None:
+    """7 points of pass@1, each over 32 prompts x 8 completions (a TRL run generating once
+    every few optimizer steps), falling 0.5 -> 0.28: too few steps for a step count, many
+    standard errors of evidence."""
+    accuracy = [0.5, 0.5, 0.48, 0.4, 0.3, 0.28, 0.28]
+    (found,) = _regression(_pass_1_frame(accuracy, groups=32, size=8, seed=1))
+    assert found.severity == "critical" and found.evidence["first"] > 0.4
+    assert found.evidence["last"] < 0.35
+    # Five points: no first and last window apart.
+    assert _regression(_pass_1_frame(accuracy[:5], groups=32, size=8, seed=1)) == []
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_performance_regression_on_flat_noise_is_silent_sparse_or_dense(seed: int) -> None:
+    """No trend: 7 big points of heterogeneous prompts, or 80 steps of 4 prompts x 4."""
+    assert _regression(_pass_1_frame([0.45] * 7, groups=32, size=8, seed=seed)) == []
+    assert _regression(_pass_1_frame([0.45] * 80, groups=4, size=4, seed=seed)) == []
 
 
 def test_groups_of_one_rollout_say_so(write_run) -> None:

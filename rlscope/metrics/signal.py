@@ -291,10 +291,16 @@ def _pass_k(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     )
 
 
+#: pass@1's per-step Σ (group accuracy)²: with `groups`, the sampling error of a window.
+ACC_SQ = "acc_sq"
+
+
 def _pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     groups = train(frame).filter(pl.col("n") >= 1)
     acc = pl.col("n_correct").cast(pl.Float64) / pl.col("n")
-    return groups.group_by("step").agg(acc.mean().alias("value"), pl.len().alias("groups"))
+    return groups.group_by("step").agg(
+        acc.mean().alias("value"), pl.len().alias("groups"), (acc**2).sum().alias(ACC_SQ)
+    )
 
 
 def _pass_gap(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:

@@ -86,6 +86,53 @@ def compare_windows(series: Series, fraction: float = TREND_FRACTION) -> Windows
     )
 
 
+#: Fewest points of a series whose points carry their own sampling error (a first and a last
+#: window of 3 that do not overlap).
+MIN_EVIDENCE_POINTS = 6
+
+
+def compare_pooled_windows(
+    frame: pl.DataFrame, units: str, sum_sq: str, fraction: float = TREND_FRACTION
+) -> Windows | None:
+    """First vs last window (each `fraction` of the points, >= 3) of a per-step mean of
+    per-unit values (`value`: the mean over the step's `units`, `sum_sq`: Σ value²), pooled
+    over each window's units, so each point weighs what it measured: a sparse series of big
+    batches is judged on its evidence, a dense one of tiny batches is not over-trusted. The
+    standard error of a window is the larger of the spread of its units over their number
+    (the units are the sampling unit: prompt groups, with their difficulty) and the step-to-
+    step scatter's (which also catches drift within the window). None with fewer than
+    MIN_EVIDENCE_POINTS points."""
+    rows = frame.filter(pl.col("value").is_not_null() & (pl.col(units) > 0)).sort("step")
+    n = rows.height
+    if n < MIN_EVIDENCE_POINTS:
+        return None
+    w = window_size(n, fraction)
+    means, ses = [], []
+    for window in (rows.head(w), rows.tail(w)):
+        count = window[units].cast(pl.Float64).to_numpy()
+        values = window["value"].cast(pl.Float64).to_numpy()
+        squares = window[sum_sq].cast(pl.Float64).to_numpy()
+        total = count.sum()
+        mean = float((values * count).sum() / total)
+        spread = max(float(squares.sum()) / total - mean**2, 0.0) * total / max(total - 1, 1)
+        scatter = _var(values) / len(values)
+        means.append(mean)
+        ses.append(math.sqrt(max(spread / total, scatter)))
+    se = math.sqrt(ses[0] ** 2 + ses[1] ** 2)
+    delta = means[1] - means[0]
+    z = delta / se if se > 0 else (math.inf if delta > 0 else -math.inf if delta < 0 else 0.0)
+    steps = rows["step"].to_list()
+    return Windows(
+        means[0],
+        means[1],
+        delta,
+        z,
+        (int(steps[0]), int(steps[w - 1])),
+        (int(steps[-w]), int(steps[-1])),
+        se,
+    )
+
+
 def _var(x: np.ndarray) -> float:
     return float(x.var(ddof=1)) if len(x) > 1 else 0.0
 

@@ -9,10 +9,11 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from rlscope.metrics.signal import REWARD_EXTREMES
+from rlscope.metrics.signal import ACC_SQ, REWARD_EXTREMES
 from rlscope.rules.base import (
     MIN_TREND_STEPS,
     RuleContext,
+    compare_pooled_windows,
     compare_windows,
     final_level,
     final_mean,
@@ -529,10 +530,16 @@ def divergence(ctx: RuleContext) -> Iterator[Finding]:
     title="The policy got worse at its task",
     doc="pass@1 (or, without correctness, the mean reward) fell between the first and last "
     "tenth of the run by at least `min_fall` (pass@1, absolute) and significantly (z <= "
-    "-`z`, against each window's step-to-step scatter, so at any batch size). RL on a reward "
-    "should not make the policy worse at that reward: a sustained fall means the updates are "
-    "destructive (learning rate too high, KL too loose, a reward or advantage bug) — the seed's "
-    "L1 question 'is the optimisation working' answered no. Short windows (a tenth) so a "
+    "-`z`). pass@1 is judged on its evidence, not its number of steps: each window pools its "
+    "prompt groups, its standard error the larger of the spread of the groups' accuracies "
+    "over their number (prompts are the sampling unit, their difficulty included) and the "
+    "step-to-step scatter's, so six points of 256 completions each (a TRL run that generates "
+    "once every few optimizer steps) are judged, and a long series of 4-prompt steps is not "
+    "over-trusted. The mean reward, with no per-step sampling error, is judged on the "
+    "step-to-step scatter of at least `min_steps` steps. RL on a reward should not make the "
+    "policy worse at that reward: a sustained fall means the updates are destructive "
+    "(learning rate too high, KL too loose, a reward or advantage bug) — the seed's L1 "
+    "question 'is the optimisation working' answered no. Short windows (a tenth) so a "
     "collapse in the first steps is not averaged away.",
     remedy="lower the learning rate; raise the KL coefficient; check the reward function and "
     "the advantage sign on a few rollouts; resume from a checkpoint before the fall.",
@@ -555,9 +562,15 @@ def performance_regression(ctx: RuleContext) -> Iterator[Finding]:
             "mean reward",
         )
     )
-    if measure is None or len(measure) < p["min_steps"]:
+    frame = ctx.frame("signal.pass_at_1") if accuracy is not None else None
+    if frame is not None and {"groups", ACC_SQ} <= set(frame.columns):
+        trend = compare_pooled_windows(frame, "groups", ACC_SQ, fraction=0.1)
+    elif measure is not None and len(measure) >= p["min_steps"]:
+        trend = compare_windows(measure, fraction=0.1)
+    else:
         return
-    trend = compare_windows(measure, fraction=0.1)
+    if trend is None:
+        return
     big = trend.delta <= -p["min_fall"] if name == "pass@1" else True
     if big and trend.falling(p["z"]):
         yield ctx.finding(
