@@ -173,11 +173,19 @@ def test_group_metrics(write_run: WriteRun, check_series: CheckSeries, mode: str
         },
         **meta,
     )
-    results = compute(open_run(path)).results
+    computed = compute(open_run(path))
+    results = computed.results
     for g in groups:
         g["c"] = int(successes(g, mode).sum())
         g["n"] = g["reward"].size
     big = [g for g in groups if g["n"] >= 2]
+    # pass@1's evidence per step (performance-regression): the groups and Σ (c/n)².
+    evidence = computed.frames["signal.pass_at_1"].sort("step")
+    expected_sq = per_step(groups, lambda gs: sum((g["c"] / g["n"]) ** 2 for g in gs))
+    expected_groups = per_step(groups, lambda gs: float(len(gs)))
+    for row in evidence.iter_rows(named=True):
+        assert row["acc_sq"] == pytest.approx(expected_sq[row["step"]], rel=1e-12)
+        assert row["groups"] == expected_groups[row["step"]]
 
     def over_big(fn: Callable[[dict[str, Any]], float]) -> Expected:
         return per_step(big, lambda gs: mean_or_none([fn(g) for g in gs]))
