@@ -39,7 +39,10 @@ def evaluate(computed: Computed, config: Config, catalog: Catalog | None = None)
         override = config.findings.get(rule.id, {})
         if override.get("enabled", True) is False:
             continue
-        if not any(m in computed.results for m in rule.metrics):
+        reads = [
+            m for m in computed.results if any(fnmatchcase(m, pattern) for pattern in rule.metrics)
+        ]
+        if not reads:
             reason = "needs " + " or ".join(rule.metrics)
             skipped.append(Skipped(rule.id, reason, rule.layer, "finding"))
             continue
@@ -68,9 +71,7 @@ def evaluate(computed: Computed, config: Config, catalog: Catalog | None = None)
                 f"stand. Please report it (rlscope {__version__}, with `--format json` output)"
             )
             continue
-        judged.update(
-            m for m in computed.results if any(fnmatchcase(m, pattern) for pattern in rule.metrics)
-        )
+        judged.update(reads)
     findings.sort(key=lambda f: (-severity_rank(f.severity), f.layer, f.id))
     return Evaluation(
         findings, skipped, tuple(m for m in computed.results if m in judged), warnings

@@ -157,6 +157,20 @@ RUN_FIELDS: tuple[MetaField, ...] = (
     MetaField("clip_ratio_high", "number", False, "PPO epsilon_high (default clip_ratio_low)"),
     MetaField("max_response_len", "integer", False, "generation length cap in tokens"),
     MetaField(
+        "reward_weights",
+        "object",
+        False,
+        "weight of each reward column in `reward` (reward = Σ weight · column; TRL "
+        "`reward_weights`); absent: 1 each",
+    ),
+    MetaField(
+        "scale_rewards",
+        "string",
+        False,
+        "how the trainer scaled each group's centred rewards into advantages: `group` (by the "
+        "group's std, GRPO), `batch` (the batch's std) or `none` (Dr. GRPO); TRL `scale_rewards`",
+    ),
+    MetaField(
         "max_grad_norm",
         "number",
         False,

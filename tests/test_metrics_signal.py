@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pytest
 from conftest import final_window
 
@@ -546,3 +547,101 @@ def test_null_correct_is_derived_from_reward(
     }
     results = compute(open_run(write_run({"rollouts": [first, second]}))).results
     check_series(results["signal.pass_at_1"], {1: 0.75, 2: 0.25})
+
+
+def _term_rows(seed: int, steps: int = 4, groups: int = 5, size: int = 4) -> dict[str, Any]:
+    """Rollouts with two reward terms: `acc_reward` (0/1) and `fmt_reward` (0 or 0.5)."""
+    rng = np.random.default_rng(seed)
+    n = steps * groups * size
+    acc = rng.binomial(1, 0.5, n).astype(float)
+    fmt = 0.5 * rng.binomial(1, 0.7, n)
+    return {
+        "rollout_id": list(range(n)),
+        "step": [i // (groups * size) for i in range(n)],
+        "prompt_id": [f"p{i // size}" for i in range(n)],
+        "acc_reward": acc,
+        "fmt_reward": fmt,
+        "response_len": [5] * n,
+    }
+
+
+def _direct_shares(rows: dict[str, Any], weights: dict[str, float], scale: str) -> dict:
+    """Per step, each term's Σ_groups Σ|w(r_k − r̄_k)| / s_G over all terms', by hand."""
+    out: dict[int, dict[str, float]] = {}
+    steps = np.asarray(rows["step"])
+    prompts = np.asarray(rows["prompt_id"])
+    reward = sum(w * np.asarray(rows[t]) for t, w in weights.items())
+    for step in sorted(set(steps.tolist())):
+        mass = dict.fromkeys(weights, 0.0)
+        for prompt in sorted(set(prompts[steps == step].tolist())):
+            at = (steps == step) & (prompts == prompt)
+            r = reward[at]
+            s = (r.std(ddof=1) + 1e-4) if scale == "group" else 1.0
+            for term, w in weights.items():
+                values = w * np.asarray(rows[term])[at]
+                mass[term] += float(np.abs(values - values.mean()).sum()) / s
+        total = sum(mass.values())
+        out[step] = {t: m / total for t, m in mass.items()}
+    return out
+
+
+@pytest.mark.parametrize("variant", ["logged", "group", "none"])
+def test_advantage_share_against_a_direct_computation(
+    write_run: WriteRun, check_series: CheckSeries, variant: str
+) -> None:
+    """signal.advantage_share.<term>: from the logged advantages (TRL's group scaling), or
+    reconstructed from run.json scale_rewards (`group`, `none`): the hand computation."""
+    weights = {"acc_reward": 1.0, "fmt_reward": 4.0}
+    rows = _term_rows(3)
+    reward = sum(w * np.asarray(rows[t]) for t, w in weights.items())
+    rows["reward"] = reward
+    scale = "none" if variant == "none" else "group"
+    if variant == "logged":
+        frame = pl.DataFrame({"p": rows["prompt_id"], "r": reward})
+        centred = frame.select(
+            (pl.col("r") - pl.col("r").mean().over("p"))
+            / (pl.col("r").std(ddof=1).over("p") + 1e-4)
+        )
+        rows["advantage"] = centred.to_series().to_numpy()
+    meta = {"reward_components": list(weights), "reward_weights": weights, "group_size": 4}
+    if variant != "logged":
+        meta["scale_rewards"] = scale
+    computed = compute(open_run(write_run({"rollouts": rows}, **meta)))
+    expected = _direct_shares(rows, weights, scale)
+    for term in weights:
+        result = computed.results[f"signal.advantage_share.{term}"]
+        check_series(result, {s: shares[term] for s, shares in expected.items()})
+        source = "rollouts.advantage" if variant == "logged" else "run.json scale_rewards"
+        assert result.source.startswith(source)
+    # One term alone: no share to speak of.
+    alone = {k: v for k, v in rows.items() if k != "fmt_reward"}
+    one = compute(open_run(write_run({"rollouts": alone}, reward_components=["acc_reward"])))
+    assert not [m for m in one.results if m.startswith("signal.advantage_share.")]
+
+
+def test_a_heavy_auxiliary_term_without_group_scaling_is_found(write_run: WriteRun) -> None:
+    """Dr. GRPO (scale_rewards none) with a format term weighted 16x: accuracy varies in most
+    groups, yet the format term carries most of every update: auxiliary-reward-dominates."""
+    from rlscope.analysis import analyze
+
+    weights = {"acc_reward": 1.0, "fmt_reward": 16.0}
+    rows = _term_rows(4, steps=20, groups=16)
+    rows["reward"] = sum(w * np.asarray(rows[t]) for t, w in weights.items())
+    meta = {
+        "reward_components": list(weights),
+        "reward_weights": weights,
+        "scale_rewards": "none",
+        "correct_source": "acc_reward > 0",
+    }
+    report = analyze(write_run({"rollouts": rows}, **meta), use_cache=False)
+    (found,) = [f for f in report.findings if f.id == "auxiliary-reward-dominates"]
+    assert found.evidence["task_term"] == "acc_reward" and found.evidence["task_share"] < 0.25
+    # With the weights equal, nothing.
+    fair = analyze(
+        write_run(
+            {"rollouts": {**rows, "reward": rows["acc_reward"] + rows["fmt_reward"]}},
+            **{**meta, "reward_weights": {"acc_reward": 1.0, "fmt_reward": 1.0}},
+        ),
+        use_cache=False,
+    )
+    assert "auxiliary-reward-dominates" not in {f.id for f in fair.findings}

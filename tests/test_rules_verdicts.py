@@ -761,3 +761,47 @@ def test_reward_concentration_survives_absurd_advantages() -> None:
         {"signal.effective_prompt_frac": frame},
     )
     assert found == []
+
+
+# --- what the gradient is made of: the advantage by reward term ---------------------------------
+
+
+def _share_frame(share: float, live: float, steps: int = 40, noise: float = 0.02) -> pl.DataFrame:
+    rng = np.random.default_rng(5)
+    values = np.clip(share + rng.normal(0, noise, steps), 0, 1)
+    return pl.DataFrame(
+        {
+            "step": range(1, steps + 1),
+            "value": values,
+            "mass": values * 100,
+            "total_mass": [100.0] * steps,
+            "live_mass": [live * 60] * steps,
+            "live_total": [60.0] * steps,
+        }
+    )
+
+
+def _shares(task: float, live: float, meta: Mapping[str, object] | None = None) -> list[Finding]:
+    frames = {
+        "signal.advantage_share.accuracy_reward": _share_frame(task, live),
+        "signal.advantage_share.format_reward": _share_frame(1 - task, 1 - live),
+    }
+    series = {m: f["value"].to_list() for m, f in frames.items()}
+    meta = {"correct_source": "accuracy_reward > 0"} if meta is None else meta
+    return judge("auxiliary-reward-dominates", series, frames, meta=meta)
+
+
+def test_auxiliary_reward_dominates_when_the_task_signal_is_drowned() -> None:
+    (found,) = _shares(0.15, 0.3)
+    assert found.severity == "warn" and found.evidence["task_term"] == "accuracy_reward"
+    assert "trained mostly on `format_reward`" in found.message
+    assert found.evidence["shares"]["format_reward"] == pytest.approx(0.85, abs=0.02)
+
+
+def test_auxiliary_reward_is_silent_when_the_task_signal_is_absent_or_fair() -> None:
+    """All-wrong groups (too hard): the task term varies in few groups but carries most of
+    their mass: dead-prompts' business. A fair share, or no task term named: silent."""
+    assert _shares(0.1, 0.8) == []
+    assert _shares(0.4, 0.45) == []
+    assert _shares(0.15, 0.3, meta={}) == []
+    assert _shares(0.15, 0.3, meta={"correct_source": "reward > 0"}) == []

@@ -358,6 +358,7 @@ def _set_meta(session: Session) -> None:
         columns = state["reward_columns"]
         weights = _reward_weights(session)
         meta["reward_components"] = list(columns)
+        meta["reward_weights"] = {c: float(weights.get(c, 1.0)) for c in columns}
         terms = ", ".join(f"{c} x{weights.get(c, 1.0):g}" for c in columns)
         provenance["reward"] = f"sum of {terms} ({state.get('reward_source', 'columns')})"
         extras = state.get("not_rewards") or []
@@ -379,6 +380,7 @@ def _set_meta(session: Session) -> None:
         )
     scale = state.get("scale_rewards")
     if scale:
+        meta["scale_rewards"] = scale
         how = state.get("scale_source", "")
         if scale == "batch":
             provenance["frac_reward_zero_std"] = (

@@ -36,7 +36,8 @@ What it writes:
   `prompt_id` is a stable hash (blake2b) of the prompt text (chat prompts: of their JSON).
 * **run.json**: `algorithm="GRPO"`, and from `GRPOConfig` unless given: `group_size`
   (`num_generations`), `clip_ratio_low` / `clip_ratio_high` (`epsilon` / `epsilon_high`),
-  `max_grad_norm` (TRL logs `grad_norm` before this clip; grad-spike judges what passed it).
+  `max_grad_norm` (TRL logs `grad_norm` before this clip; grad-spike judges what passed it),
+  `scale_rewards` and the reward functions' `reward_weights` (the advantage by reward term).
 
 Limits, honestly:
 
@@ -272,6 +273,11 @@ class RlscopeCallback(_CallbackBase):
             meta.setdefault("clip_ratio_low", epsilon)
             high = _number(getattr(args, "epsilon_high", None))
             meta.setdefault("clip_ratio_high", high if high is not None else epsilon)
+        scale = getattr(args, "scale_rewards", None)
+        if isinstance(scale, bool):  # older TRL: True = by the group's std, False = none
+            scale = "group" if scale else "none"
+        if scale in ("group", "batch", "none"):
+            meta.setdefault("scale_rewards", scale)
         clip = _number(getattr(args, "max_grad_norm", None))
         if clip is not None and clip > 0:  # TRL logs the norm before this clip
             meta.setdefault("max_grad_norm", clip)
@@ -289,6 +295,8 @@ class RlscopeCallback(_CallbackBase):
         out: dict[str, Any] = {}
         if names:
             out["reward_components"] = [f"rewards/{n}" for n in names]
+            weights = self._reward_weights(names)
+            out["reward_weights"] = {f"rewards/{n}": w for n, w in zip(names, weights, strict=True)}
         threshold = meta.get("correct_threshold")
         rule = "> 0" if threshold is None else f">= {threshold}"
         if self.correct_reward is not None:

@@ -163,6 +163,131 @@ DECLARED.family(
 )
 
 
+#: Groups' reward deviation Σ|r − r̄| (with Σ|advantage|: the scale the trainer divided by).
+R_DEV = ("r_dev", (f64("reward") - f64("reward").mean()).abs().sum())
+#: TRL's epsilon in the group std scaling (grpo_trainer.py: std + 1e-4).
+GROUP_STD_EPS = 1e-4
+
+
+def _term_dev(name: str, weight: float) -> tuple[str, pl.Expr]:
+    """A reward term's part of the group's advantage mass before scaling: Σ|w·(r_k − r̄_k)|."""
+    term = f64(name)
+    return (f"tdev:{name}", (weight * (term - term.mean())).abs().sum().fill_null(0.0))
+
+
+def _weights(run: Run) -> dict[str, float]:
+    given = run.meta.get("reward_weights")
+    weights = given if isinstance(given, dict) else {}
+    return {
+        name: float(w) if isinstance((w := weights.get(name, 1.0)), int | float) else 1.0
+        for name in reward_components(run)
+    }
+
+
+def _share_partials(logged: bool):
+    def partials(ctx: MetricContext) -> dict[str, pl.Expr]:
+        terms = dict(_term_dev(name, w) for name, w in _weights(ctx.run).items())
+        scale = [W_ADV, R_DEV] if logged else [R_STD]
+        return {**terms, **dict(scale)}
+
+    return partials
+
+
+def _advantage_share(name: str, logged: bool):
+    """Per step, term `name`'s share of Σ_k Σ_groups |w_k·(r_k − r̄_k)| / s_G, s_G the group's
+    scale (from the logged advantages, Σ|r − r̄| / Σ|A|; else run.json scale_rewards: the
+    group's std + 1e-4 for `group`, 1 for `none` and `batch` — one scale for a whole step
+    cancels in a share); `live_value`: the same over the groups where the term varies."""
+
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+        terms = list(_weights(ctx.run))
+        if logged:
+            inverse = safe_div(pl.col("w_adv"), pl.col("r_dev"))
+        elif ctx.run.meta.get("scale_rewards", "group") == "group":
+            inverse = (1.0 / (pl.col("r_std") + GROUP_STD_EPS)).fill_null(0.0)
+        else:
+            inverse = pl.lit(1.0)
+        groups = train(frame).filter(pl.col("n") >= 2)
+        mass = [(pl.col(f"tdev:{t}") * inverse).fill_null(0.0) for t in terms]
+        total = pl.sum_horizontal(mass)
+        own = mass[terms.index(name)]
+        live = pl.col(f"tdev:{name}") > 0
+        per_step = groups.group_by("step").agg(
+            own.sum().alias("mass"),
+            total.sum().alias("total_mass"),
+            own.filter(live).sum().alias("live_mass"),
+            total.filter(live).sum().alias("live_total"),
+        )
+        return per_step.with_columns(
+            safe_div(pl.col("mass"), pl.col("total_mass")).alias("value"),
+            safe_div(pl.col("live_mass"), pl.col("live_total")).alias("live_value"),
+        )
+
+    return series
+
+
+_SHARE_DOC = (
+    "The share of the policy's advantage mass that one reward term carries. A GRPO advantage "
+    "is the group-centred reward over the group's scale s_G, and the reward is Σ w_k·r_k, so "
+    "the advantage is exactly Σ_k w_k·(r_k − r̄_k) / s_G: each term's part of it. The share is "
+    "term k's Σ|part| over all terms' Σ|part|, pooled over the step's groups (size ≥ 2): what "
+    "the update is made of, under the trainer's own normalisation. s_G comes from the logged "
+    "advantages where the rollouts have them (Σ|r − r̄| / Σ|A| per group), else from run.json "
+    "`scale_rewards` (TRL's; `group`, the default: the group's std + 1e-4; `none` (Dr. GRPO) "
+    "and `batch`: one scale a step, which cancels). Weights from run.json `reward_weights` "
+    "(the TRL importer and callback write them; absent: 1). `live_value` is the share over the "
+    "groups where the term varies. The total reward can rise through one term while the "
+    "policy is trained almost only on it: these shares show which."
+)
+
+
+def _advantage_share_member(name: str, terms: list[str]) -> Metric:
+    short = name.removeprefix("rewards/")
+    return Metric(
+        id=f"signal.advantage_share.{short}",
+        layer="L3",
+        title=f"Advantage share of `{short}`",
+        doc=_SHARE_DOC,
+        healthy="the task term carrying a fair share (≥ 1/(number of terms))",
+        unit="share",
+        variants=(
+            custom(
+                "rollouts",
+                ("reward", "advantage", *terms),
+                _advantage_share(name, logged=True),
+                _share_partials(logged=True),
+                source="rollouts.advantage (the trainer's scale per group)",
+            ),
+            custom(
+                "rollouts",
+                ("reward", *terms),
+                _advantage_share(name, logged=False),
+                _share_partials(logged=False),
+                source="run.json scale_rewards (the advantage reconstructed from the reward)",
+            ),
+        ),
+    )
+
+
+DECLARED.family(
+    Metric(
+        id="signal.advantage_share.*",
+        brief="share of the advantage mass each reward term carries (run's normalisation)",
+        layer="L3",
+        title="Advantage share per reward term",
+        doc=_SHARE_DOC,
+        healthy="the task term carrying a fair share (≥ 1/(number of terms))",
+        unit="share",
+        variants=(),
+    ),
+    lambda run: (
+        [_advantage_share_member(n, terms) for n in terms]
+        if len(terms := reward_components(run)) >= 2
+        else []
+    ),
+)
+
+
 def _group_mean(value: pl.Expr, *, min_size: int = 2):
     def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         groups = train(frame).filter(pl.col("n") >= min_size)

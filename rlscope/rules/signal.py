@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import polars as pl
 
@@ -100,6 +102,97 @@ def dead_prompts(ctx: RuleContext) -> Iterator[Finding]:
         side=side,
         steps=[first, int(zero.steps[-1])],
     )
+
+
+ADVANTAGE_SHARES = "signal.advantage_share.*"
+
+
+@DECLARED.rule(
+    "auxiliary-reward-dominates",
+    brief=(
+        "the task term carries < 25% of the advantage mass over the final window (two standard "
+        "errors deep), and < 50% even where it varies"
+    ),
+    layer="L3",
+    title="The policy is trained mostly on an auxiliary reward term",
+    doc="The advantage is exactly Σ_k w_k·(r_k − r̄_k)/s_G, so each reward term carries a "
+    "share of what the update is made of (signal.advantage_share.<term>, under the run's own "
+    "normalisation). The finding fires when the task term — the reward function run.json's "
+    "`correct_source` names — carries less than `task_share_max` of it, pooled over the final "
+    "window's groups and two standard errors deep (the step-to-step scatter), and less than "
+    "`live_share_max` even in the groups where it varies. Then most of every update pushes on "
+    "another term (a format or length bonus), whatever the total reward curve says: with two "
+    "terms, below 25% the other weighs three times the task. The second condition separates "
+    "a task signal drowned by another term (the remedy here) from one that is absent because "
+    "the groups are all wrong or all right (dead-prompts' business): there the task term "
+    "carries most of the mass of the few groups where it varies. Shares are ratios of sums, "
+    "so they hold at any reward scale and group size; the window's standard error from its "
+    "scatter, so at any batch size.",
+    remedy="normalise rewards per group (TRL scale_rewards='group', GRPO's default), lower the "
+    "auxiliary term's weight, or gate it on correctness (format bonus only when right).",
+    metrics=(ADVANTAGE_SHARES,),
+    params={
+        "task_share_max": Param(0.25, "the task term's final-window share below this"),
+        "live_share_max": Param(0.5, "and below this in the groups where the task term varies"),
+        "min_steps": Param(3, "fewest steps to judge"),
+    },
+)
+def auxiliary_reward_dominates(ctx: RuleContext) -> Iterator[Finding]:
+    shares = {
+        metric_id.removeprefix("signal.advantage_share."): frame
+        for metric_id in sorted(ctx.results)
+        if metric_id.startswith("signal.advantage_share.")
+        and (frame := ctx.frame(metric_id)) is not None
+    }
+    task = _task_term(ctx.meta, list(shares))
+    if task is None:
+        return
+    frame = shares[task].filter(pl.col("value").is_not_null()).sort("step")
+    if frame.height < ctx.params["min_steps"]:
+        return
+    window = frame.tail(window_size(frame.height))
+    sums = window.select(pl.col("mass", "total_mass", "live_mass", "live_total").sum()).row(0)
+    mass, total, live_mass, live_total = (float(v or 0.0) for v in sums)
+    if total <= 0:
+        return
+    share = mass / total
+    live = live_mass / live_total if live_total > 0 else 0.0
+    values = window["value"].cast(pl.Float64).to_numpy()
+    se = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+    if share + 2 * se >= ctx.params["task_share_max"] or live >= ctx.params["live_share_max"]:
+        return
+    others = {
+        term: _pooled_share(frame_of, int(window["step"][0]))
+        for term, frame_of in shares.items()
+        if term != task
+    }
+    top = max(others, key=lambda t: others[t])
+    yield ctx.finding(
+        f"The task term `{task}` carries {pct(share)} of the advantage mass over the final "
+        f"window ({pct(live)} even in the groups where it varies); `{top}` carries "
+        f"{pct(others[top])}: the policy is trained mostly on `{top}`.",
+        task_term=task,
+        task_share=share,
+        task_live_share=live,
+        standard_error=se,
+        shares={term: value for term, value in sorted(others.items())} | {task: share},
+        steps=[int(window["step"][0]), int(window["step"][-1])],
+    )
+
+
+def _task_term(meta: Mapping[str, Any], terms: list[str]) -> str | None:
+    """The reward term run.json's `correct_source` names (`accuracy_reward > 0`), if one."""
+    source = meta.get("correct_source")
+    if not isinstance(source, str):
+        return None
+    named = [t for t in terms if re.search(rf"(?<![\w/]){re.escape(t)}(?!\w)", source)]
+    return named[0] if len(named) == 1 else None
+
+
+def _pooled_share(frame: pl.DataFrame, first_step: int) -> float:
+    sums = frame.filter(pl.col("step") >= first_step).select(pl.col("mass", "total_mass").sum())
+    mass, total = (float(v or 0.0) for v in sums.row(0))
+    return mass / total if total > 0 else 0.0
 
 
 def _final_share(frame: pl.DataFrame, n_steps: int) -> tuple[float, float, int]:
