@@ -32,9 +32,19 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(PYTEST) -m "not slow"
 
-# The slow matrices (larger healthy-shape runs); CI runs them after `make test`.
-test-slow: $(STAMP)
-	$(PYTEST) -m slow
+# Real trainers for the slow tests that run one (tests/trainers/): torch's CPU build, transformers
+# and TRL in a venv of their own, so that rlscope's own stays light.
+TRL_VENV := .venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
+$(TRL_STAMP): Makefile
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+		torch==2.13.0 transformers==5.25.0 trl==1.16.0 datasets accelerate tokenizers
+	touch $(TRL_STAMP)
+
+# The slow matrices (larger healthy-shape runs, a real TRL run); CI runs them after `make test`.
+test-slow: $(STAMP) $(TRL_STAMP)
+	RLSCOPE_TRL_PYTHON=$(CURDIR)/$(TRL_VENV)/bin/python $(PYTEST) -m slow
 
 test-all: test test-slow
 
@@ -64,4 +74,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_report.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .ruff_cache

@@ -31,7 +31,7 @@ def cache_root(override: str | os.PathLike[str] | None = None) -> Path:
 
 #: Bumped whenever an importer writes something different for the same source (a field read
 #: with another meaning, a new run.json field): cached imports of older revisions are not reused.
-IMPORT_REVISION = 4  # 4: run.json reward_weights and scale_rewards (TRL)
+IMPORT_REVISION = 4  # 4: reward_weights, scale_rewards; eval sets as L5 steps columns (TRL, verl)
 
 
 def import_cache_dir(

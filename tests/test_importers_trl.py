@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import statistics
+import subprocess
 from pathlib import Path
 
 import polars as pl
@@ -417,3 +419,132 @@ def test_a_reused_import_reports_the_notes_of_the_first(tmp_path: Path) -> None:
     assert any("num_generations = 8" in n for n in first.notes)
     assert any("whitespace-separated words" in n for n in first.notes)
     assert again.notes == first.notes
+
+
+# --- L5 from the trainer's own eval logs (a dict of eval datasets) -------------------------------
+
+
+def _eval_entry(step: int, name: str, accuracy: float, prompts: int = 50) -> dict[str, object]:
+    """One log_history entry of one eval set, keyed as TRL 1.16 writes it: transformers'
+    Trainer keys with the set's name (`eval_<name>_runtime`, ...: `metric_key_prefix`), TRL's
+    own metrics without it (`eval_reward`, `eval_rewards/<fn>/mean`)."""
+    runtime = 0.25
+    return {
+        "step": step,
+        "epoch": 1.0,
+        f"eval_{name}_loss": 0.01,
+        f"eval_{name}_runtime": runtime,
+        f"eval_{name}_samples_per_second": round(prompts / runtime, 3),
+        f"eval_{name}_steps_per_second": 4.0,
+        "eval_reward": accuracy + 0.2,
+        "eval_rewards/accuracy_reward/mean": accuracy,
+        "eval_rewards/format_reward/mean": 0.2,
+        "eval_frac_reward_zero_std": 0.5,
+    }
+
+
+def _with_evals(root: Path, evals: dict[int, dict[str, float]]) -> Path:
+    state = root / "checkpoint-9" / "trainer_state.json"
+    doc = json.loads(state.read_text())
+    for step, sets in sorted(evals.items()):
+        doc["log_history"] += [_eval_entry(step, name, acc) for name, acc in sets.items()]
+    state.write_text(json.dumps(doc))
+    return root
+
+
+def _learning_run(root: Path, steps: int = 24) -> Path:
+    return write_run(root, {s: [acc_fmt([1.0, 0.0, 1.0, 0.0])] * 2 for s in range(1, steps + 1)})
+
+
+def test_trl_eval_sets_are_kept_apart_and_give_l5(tmp_path: Path) -> None:
+    """Two eval sets at each eval step (one entry each, TRL's keys without the set's name):
+    each set's keys named by it, the ID and OOD accuracies and their completions (the set's
+    prompts x num_generations) in the steps table, and the L5 metrics from them."""
+    ood = {s: {"in_dist": 0.2 + 0.05 * i, "gsm_ood": 0.2} for i, s in enumerate(range(3, 25, 3))}
+    src = _with_evals(_learning_run(tmp_path / "src"), ood)
+    out = tmp_path / "out"
+    result = import_run("trl", src, out)
+    steps = pl.read_parquet(sorted((out / "steps").glob("*.parquet"))).sort("step")
+    at = steps.filter(pl.col("eval_id_accuracy").is_not_null())
+    assert at["step"].to_list() == list(ood)
+    assert at["eval_id_accuracy"].to_list() == pytest.approx([v["in_dist"] for v in ood.values()])
+    assert at["eval_ood_accuracy"].to_list() == pytest.approx([0.2] * len(ood))
+    assert at["eval_id_completions"].to_list() == [50 * 4] * len(ood)  # 50 prompts x 4
+    assert at["eval_in_dist_reward"].to_list() == pytest.approx(
+        [v["in_dist"] + 0.2 for v in ood.values()]
+    )
+    assert at["eval_gsm_ood_reward"].to_list() == pytest.approx([0.4] * len(ood))
+    assert "eval sets: `gsm_ood` → eval_ood, `in_dist` → eval_id" in " ".join(result.notes)
+    report = rlscope.analyze(out)
+    assert report.metrics["generalization.eval_id"].values == tuple(
+        pytest.approx(v["in_dist"]) for v in ood.values()
+    )
+    assert "as logged" in report.metrics["generalization.ood_gap"].source
+    (gap,) = [f for f in report.findings if f.id == "ood-gap"]
+    assert "OOD accuracy is flat" in gap.message
+    assert gap.evidence["sampling_error"].startswith("binomial")
+
+
+def test_trl_eval_sets_named_by_option_and_sizes_unknown(tmp_path: Path) -> None:
+    """`ood_sets` chooses the OOD sets; without the Trainer's speed keys the eval sizes are
+    unknown: completions null, and ood-gap judges on the scatter alone (never on one eval a
+    window with no error at all)."""
+    evals = {s: {"easy": 0.3 + 0.05 * i, "hard": 0.3} for i, s in enumerate(range(3, 25, 3))}
+    src = _with_evals(_learning_run(tmp_path / "src"), evals)
+    state = src / "checkpoint-9" / "trainer_state.json"
+    doc = json.loads(state.read_text())
+    for entry in doc["log_history"]:
+        for key in [k for k in entry if k.endswith("_samples_per_second")]:
+            del entry[key]
+    state.write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    result = import_run("trl", src, out, ood_sets=["hard"])
+    steps = pl.read_parquet(sorted((out / "steps").glob("*.parquet")))
+    at = steps.filter(pl.col("eval_ood_accuracy").is_not_null())
+    assert at["eval_ood_accuracy"].to_list() == pytest.approx([0.3] * len(evals))
+    # Every size unknown: no completions column at all (a column of nulls is not written).
+    assert "eval_ood_completions" not in at.columns
+    assert "(ood_sets option)" in " ".join(result.notes)
+    report = rlscope.analyze(out)
+    (gap,) = [f for f in report.findings if f.id == "ood-gap"]
+    assert gap.evidence["sampling_error"].startswith("step-to-step scatter only")
+
+
+TRL_PYTHON = os.environ.get("RLSCOPE_TRL_PYTHON", "")
+TWO_EVAL_SETS = Path(__file__).parent / "trainers" / "trl_two_eval_sets.py"
+
+
+@pytest.mark.slow
+def test_eval_sets_of_a_real_trl_run(tmp_path: Path) -> None:
+    """A real GRPOTrainer run (tests/trainers/trl_two_eval_sets.py: a tiny policy, an `in_dist`
+    and an `ood` eval set, 240 steps, ~20 s on CPU): every eval point of each set is read
+    apart, as the trainer logged it, and L5 is judged from them (ID rises, OOD stays flat at
+    the digits it never trained on)."""
+    if not Path(TRL_PYTHON).is_file():
+        pytest.skip("RLSCOPE_TRL_PYTHON (a Python with torch and trl; `make test-slow` sets it)")
+    src = tmp_path / "trl-run"
+    subprocess.run([TRL_PYTHON, str(TWO_EVAL_SETS), str(src)], check=True, capture_output=True)
+    history = json.loads((src / "trainer_state.json").read_text())["log_history"]
+    logged: dict[tuple[int, str], tuple[float, int]] = {}
+    for entry in history:
+        for name in ("in_dist", "ood"):
+            if f"eval_{name}_runtime" in entry:
+                size = entry[f"eval_{name}_samples_per_second"] * entry[f"eval_{name}_runtime"]
+                accuracy = entry["eval_rewards/accuracy_reward/mean"]
+                logged[entry["step"], name] = (accuracy, round(size))
+    assert len(logged) == 24 and {n for _, n in logged.values()} == {10}
+    out = tmp_path / "out"
+    import_run("trl", src, out)
+    steps = pl.read_parquet(sorted((out / "steps").glob("*.parquet")))
+    for (step, name), (accuracy, prompts) in logged.items():
+        split = "eval_ood" if name == "ood" else "eval_id"
+        row = steps.filter(pl.col("step") == step).row(0, named=True)
+        assert row[f"{split}_accuracy"] == pytest.approx(accuracy)
+        assert row[f"{split}_completions"] == prompts * 8
+        assert row[f"eval_{name}_rewards/accuracy_reward/mean"] == pytest.approx(accuracy)
+    report = rlscope.analyze(out)
+    ids = sorted(s for s, n in logged if n == "in_dist")
+    assert report.metrics["generalization.eval_id"].steps == tuple(ids)
+    assert report.metrics["generalization.eval_ood"].value == pytest.approx(0.0)
+    (gap,) = [f for f in report.findings if f.id == "ood-gap"]
+    assert gap.evidence["ood_trend"] == "flat"

@@ -297,3 +297,47 @@ def test_hydra_config_says_what_the_importer_needs(tmp_path: Path) -> None:
     steps = table(tmp_path / "out", "steps")
     assert "entropy" not in steps.columns and "kl" not in steps.columns
     assert any("config.yaml" in n for n in result.notes)
+
+
+def test_validation_accuracies_per_data_source_give_l5(tmp_path: Path) -> None:
+    """verl's `val-core/<data source>/acc/mean@N` (ray_trainer.py `_val_metrics_update`; a
+    data source may hold a slash): each source an ID or OOD split (`ood_sets`, else by name),
+    several sources of one split averaged; verl logs no validation size, so completions are
+    absent and ood-gap judges on the scatter alone. `val-aux` keys and a `reward` core
+    variable are not accuracies."""
+    lines = []
+    for step in range(1, 41):
+        data = {"actor/pg_loss": 0.1, "actor/grad_norm": 0.5, "critic/score/mean": 0.3}
+        if step % 4 == 0:
+            rise = step / 100
+            data |= {
+                "val-core/openai/gsm8k/acc/mean@4": 0.3 + rise,
+                "val-core/lighteval/MATH/acc/mean@4": 0.2 + rise,
+                "val-core/aime_ood/acc/mean@4": 0.1,
+                "val-aux/openai/gsm8k/acc/std@4": 0.2,
+                "val-core/chat/reward/mean@4": 0.5,
+            }
+        lines.append(json.dumps({"step": step, "data": data}))
+    source = tmp_path / "metrics.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    result = import_run("verl-metrics", source, out)
+    steps = table(out, "steps").sort("step")
+    at = steps.filter(pl.col("eval_id_accuracy").is_not_null())
+    assert at["step"].to_list() == list(range(4, 41, 4))
+    assert at["eval_id_accuracy"].to_list() == pytest.approx(
+        [0.25 + s / 100 for s in range(4, 41, 4)]
+    )
+    assert at["eval_ood_accuracy"].to_list() == pytest.approx([0.1] * 10)
+    assert "eval_id_completions" not in steps.columns
+    note = next(n for n in result.notes if n.startswith("validation data sources"))
+    assert "`aime_ood` → eval_ood" in note and "`openai/gsm8k` → eval_id" in note
+    assert "`chat`" not in note  # a reward, not an accuracy
+    report = analyze(out)
+    # Final window (last tenth, at least 3 evals): steps 32, 36, 40.
+    assert report.metrics["generalization.ood_gap"].value == pytest.approx(0.15 + 0.36)
+    (gap,) = [f for f in report.findings if f.id == "ood-gap"]
+    assert gap.evidence["sampling_error"].startswith("step-to-step scatter only")
+    # Named by the option: gsm8k is the OOD set now.
+    chosen = import_run("verl-metrics", source, tmp_path / "chosen", ood_sets=["openai/gsm8k"])
+    assert any("`openai/gsm8k` → eval_ood" in n for n in chosen.notes)

@@ -163,3 +163,54 @@ class StepRows:
 
     def sorted_rows(self) -> list[dict[str, Any]]:
         return [{"step": s, **self.rows[s]} for s in sorted(self.rows)]
+
+
+class EvalPoints:
+    """A trainer's logged eval accuracies of named eval sets, as the steps table's L5 columns.
+
+    Each set is an ID or OOD split (`ood_sets`, else a set whose name has the word `ood`). Per
+    step and split: the accuracy (the sets' accuracies weighted by their completions; the
+    plain mean where a size is unknown) and the completions it was measured on, written as
+    `eval_id_accuracy`, `eval_id_completions`, `eval_ood_accuracy`, `eval_ood_completions`
+    (completions absent where a set's size is not logged: its sampling error is unknown);
+    rlscope's generalization metrics read them when the run has no eval rollouts."""
+
+    def __init__(self, ood_sets: list[str] | None) -> None:
+        self.ood_sets = ood_sets
+        self.sets: dict[str, str] = {}  # name -> split
+        self.points: dict[tuple[int, str], list[tuple[float, int | None]]] = {}
+
+    def split_of(self, name: str) -> str:
+        """The split of eval set `name` (remembered for the note)."""
+        if name not in self.sets:
+            if self.ood_sets is not None:
+                ood = name in self.ood_sets
+            else:
+                ood = "ood" in re.split(r"[^a-z0-9]+", name.lower())
+            self.sets[name] = "eval_ood" if ood else "eval_id"
+        return self.sets[name]
+
+    def add(self, step: int, name: str, accuracy: float, completions: int | None) -> None:
+        self.points.setdefault((step, self.split_of(name)), []).append((accuracy, completions))
+
+    def columns(self) -> dict[int, dict[str, float]]:
+        """Per step, the pooled accuracy (and completions, where known) of each split."""
+        out: dict[int, dict[str, float]] = {}
+        for (step, split), points in self.points.items():
+            row = out.setdefault(step, {})
+            sizes = [n for _, n in points]
+            if all(sizes):
+                total = float(sum(n or 0 for n in sizes))
+                row[f"{split}_accuracy"] = sum(a * (n or 0) for a, n in points) / total
+                row[f"{split}_completions"] = total
+            else:
+                row[f"{split}_accuracy"] = sum(a for a, _ in points) / len(points)
+        return out
+
+    def note(self, what: str) -> list[str]:
+        """One line: which set is which split, and how it was decided."""
+        if not self.sets:
+            return []
+        named = ", ".join(f"`{n or 'eval'}` → {split}" for n, split in sorted(self.sets.items()))
+        how = "ood_sets option" if self.ood_sets is not None else "by name: `ood` in it is OOD"
+        return [f"{what}: {named} ({how})"]

@@ -147,3 +147,13 @@ SPLIT_OPTION = Option(
     "`eval_*`) for validation dumps",
     choices=_check_split,
 )
+
+
+OOD_SETS_OPTION = Option(
+    "ood_sets",
+    "list[str]",
+    None,
+    "eval sets (TRL: the names of a dict of eval datasets; verl: data sources) that are out "
+    "of distribution (default: those whose name has the word `ood`); the others are in "
+    "distribution",
+)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections import Counter
 from functools import reduce
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -15,6 +17,7 @@ import pyarrow as pa
 
 from rlscope.errors import RlscopeError
 from rlscope.importers._common import (
+    EvalPoints,
     StepRows,
     accuracy_like,
     correct_from_reward,
@@ -24,7 +27,7 @@ from rlscope.importers._common import (
     rename_reserved,
 )
 from rlscope.importers._jsonl import LINE, normalize_extras
-from rlscope.importers.options import COMMON_OPTIONS, ROLLOUT_OPTIONS, Option
+from rlscope.importers.options import COMMON_OPTIONS, OOD_SETS_OPTION, ROLLOUT_OPTIONS, Option
 from rlscope.importers.session import Importer, Session, numbered
 from rlscope.importers.text import (
     ASSISTANT,
@@ -529,6 +532,11 @@ def _import_file(
     frame = frame.with_columns(reward.alias("_reward"), unscorable.alias("_unscorable"))
     counts["unscorable"] += int(frame["_unscorable"].sum())
     choice = _choose_correct(reward_columns, frame, path, session)
+    scored = choice.get("column") or (reward_columns[0] if len(reward_columns) == 1 else None)
+    if scored in frame.columns and not choice.get("unknown"):
+        seen = pl.col(scored).cast(pl.Float64).fill_nan(None).drop_nulls()
+        binary = bool(frame.select(seen.is_in([0.0, 1.0]).all()).item())
+        state["correct_binary"] = state.get("correct_binary", True) and binary
     if choice.get("column"):
         value = pl.col(choice["column"]).cast(pl.Float64).fill_nan(None)
         correct = correct_from_reward(value, opts["correct_threshold"])
@@ -752,6 +760,8 @@ def _import_steps(path: Path, history: list | None, session: Session) -> None:
     if state.get("scale_rewards") not in (None, "group", "none"):
         names["frac_reward_zero_std"] = ZERO_STD_BATCH
     rows = StepRows(names)
+    generations = opts["num_generations_eval"] or state.get("num_generations")
+    evals = EvalSets(_accuracy_key(session), opts["ood_sets"], generations)
     steps: set[int] = set()
     without = 0
     for entry in history:
@@ -762,13 +772,92 @@ def _import_steps(path: Path, history: list | None, session: Session) -> None:
         steps.add(step)
         if session.already("steps", step, this_call=False):
             continue
-        rows.add(step, entry)
+        rows.add(step, evals.read(step, entry))
     if without:
         session.notes.append(f"{path}: {without} log_history entr(ies) without a step, skipped")
     rows.note(session, str(path))
+    for step, columns in evals.points.columns().items():
+        rows.add(step, columns)
+    session.notes += evals.notes()
     session.add_steps(rows.sorted_rows())
     session.file_done(path, len(steps))
     session.checkpoint()
+
+
+def _accuracy_key(session: Session) -> str | None:
+    """The eval log key (after `eval_` or `eval_<set>_`) that is an accuracy: the mean of the
+    reward function `correct` reads (`rewards/<fn>/mean`), when it is 0/1-valued on every
+    train completion and correct is that function > 0 (a mean of an indicator); else None."""
+    state, opts = session.state(), session.options
+    choice = state.get("correct") or {}
+    if choice.get("unknown") or not state.get("correct_binary") or opts["correct_threshold"]:
+        return None
+    columns = state.get("reward_columns") or []
+    scored = choice.get("column") or (columns[0] if len(columns) == 1 else None)
+    return f"rewards/{scored}/mean" if scored else None
+
+
+class EvalSets:
+    """TRL's evaluation log entries, one per eval set and eval step.
+
+    transformers' `Trainer.evaluate` with a dict of eval datasets evaluates each set with
+    `metric_key_prefix=f"eval_{name}"`: its own keys are `eval_<name>_loss`, `_runtime`,
+    `_samples_per_second` (speed_metrics: num_samples = the set's prompts, over the runtime;
+    each prompt is completed num_generations_eval times, TRL's default num_generations),
+    while TRL's `log()` (grpo_trainer.py) adds its metrics as `eval_<key>` with no set name
+    (`eval_reward`, `eval_rewards/<fn>/mean`, ...), one log_history entry per set. So a set is
+    known by its entry's `eval_<name>_runtime` key (a single unnamed set: `eval_runtime`), and
+    TRL's keys are renamed `eval_<name>_<key>` so that two sets at one step do not overwrite
+    each other. The accuracies go to the L5 columns (`EvalPoints`)."""
+
+    def __init__(
+        self, accuracy_key: str | None, ood_sets: list[str] | None, generations: int | None
+    ) -> None:
+        self.accuracy_key = accuracy_key
+        self.generations = generations
+        self.points = EvalPoints(ood_sets)
+
+    def read(self, step: int, entry: dict[str, Any]) -> dict[str, Any]:
+        """The entry as steps columns (an eval set's TRL keys named by the set)."""
+        if not any(isinstance(k, str) and k.startswith("eval_") for k in entry):
+            return entry
+        name = next((m.group(1) for k in entry if (m := EVAL_SET.match(str(k)))), "")
+        prefix = f"eval_{name}_" if name else "eval_"
+        renamed = {
+            prefix + k[len("eval_") :]
+            if name and k.startswith("eval_") and not k.startswith(prefix)
+            else k: v
+            for k, v in entry.items()
+        }
+        self.points.split_of(name)
+        key = self.accuracy_key
+        accuracy = _finite(renamed.get(prefix + key)) if key is not None else None
+        if accuracy is not None:
+            rate, runtime = (
+                _finite(renamed.get(prefix + k)) for k in ("samples_per_second", "runtime")
+            )
+            completions = None
+            if rate is not None and runtime is not None and self.generations is not None:
+                completions = round(rate * runtime) * self.generations
+            self.points.add(step, name, accuracy, completions)
+        return renamed
+
+    def notes(self) -> list[str]:
+        notes = self.points.note("eval sets")
+        if notes and self.accuracy_key is None:
+            notes[0] += "; no eval accuracy (correctness is not a 0/1 reward function > 0)"
+        return notes
+
+
+#: An eval set's own Trainer key (`eval_<name>_runtime`).
+EVAL_SET = re.compile(r"^eval_(.+)_runtime$")
+
+
+def _finite(value: Any) -> float | None:
+    """A finite number as a float, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 TRL = Importer(
@@ -805,6 +894,15 @@ TRL = Importer(
             "advantages). With `batch` TRL's frac_reward_zero_std is batch-level: kept as "
             f"{ZERO_STD_BATCH}, not compared",
             choices=lambda v: None if v in ("group", "batch", "none") else "group, batch or none",
+        ),
+        OOD_SETS_OPTION,
+        Option(
+            "num_generations_eval",
+            "int",
+            None,
+            "completions per eval prompt (GRPOConfig.num_generations_eval; default "
+            "num_generations, TRL's default too): the eval accuracies' sample size",
+            choices=lambda n: None if n >= 1 else "must be at least 1",
         ),
         Option(
             "num_generations",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 import json
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import polars as pl
 
 from rlscope.errors import RlscopeError
 from rlscope.importers._common import (
+    EvalPoints,
     StepRows,
     correct_from_reward,
     correct_rule,
@@ -21,7 +23,13 @@ from rlscope.importers._common import (
     rename_reserved,
 )
 from rlscope.importers._jsonl import CHUNK_LINES, LINE, Field, chunks, read_jsonl
-from rlscope.importers.options import COMMON_OPTIONS, ROLLOUT_OPTIONS, SPLIT_OPTION, Option
+from rlscope.importers.options import (
+    COMMON_OPTIONS,
+    OOD_SETS_OPTION,
+    ROLLOUT_OPTIONS,
+    SPLIT_OPTION,
+    Option,
+)
 from rlscope.importers.session import Importer, Session, numbered
 from rlscope.importers.text import ASSISTANT, WORDS_NOTE, answer_expr, prompt_ids, word_count_expr
 
@@ -414,6 +422,12 @@ def import_verl_metrics(session: Session) -> None:
       entropy   `actor/entropy` only with loss_agg_mode token-mean (core_algos.py
                 `agg_loss`); seq-mean-token-sum makes it a per-sequence sum (~70 where the
                 token mean is 1.4): kept as the extra column actor/entropy.
+      eval      `val-core/<data source>/acc/mean@N` (ray_trainer.py `_val_metrics_update`:
+                the accuracy of one validation data source, when the reward function
+                returns `acc`) -> `eval_id_accuracy` / `eval_ood_accuracy` (`ood_sets`, else
+                a source named with the word `ood` is OOD; several sources of a split are
+                averaged), read by rlscope's L5 metrics when there are no eval rollouts.
+                verl logs no validation set size, so their sampling error is unknown.
     Every other numeric key is an extra column under its own name (`actor/ppo_kl`,
     `critic/score/mean`, `response_length/mean`, `response_length/clip_ratio`, ...:
     metric_utils.py `compute_data_metrics`, token-based); rlscope reads the logged reward,
@@ -436,6 +450,7 @@ def _import_metrics_files(source: Path, session: Session) -> None:
     if not files:
         raise RlscopeError(f"{source}: no *.jsonl metrics file")
     settings = _settings(source, session)
+    evals = EvalPoints(session.options["ood_sets"])
     for done, (_, path) in enumerate(files, 1):
         status = session.read_status(path, done, len(files))
         if status is None:
@@ -451,11 +466,16 @@ def _import_metrics_files(source: Path, session: Session) -> None:
                 step,
                 {k: math.nan if v is None and k in NAN_WHEN_NULL else v for k, v in data.items()},
             )
+            _validation_accuracies(step, data, evals)
         rows.note(session, str(path))
+        for step, columns in evals.columns().items():
+            rows.add(step, columns)
+        evals.points.clear()
         session.add_steps(_interpreted(rows.sorted_rows(), settings, session))
         session.file_done(path, len(steps))
         session.checkpoint()
         session.tick(done, len(files))
+    session.notes += evals.note("validation data sources")
 
 
 #: Logged as null by verl's orjson writer when the value was NaN: a divergence, kept as NaN.
@@ -629,6 +649,22 @@ def _metric_fast(lines: list[bytes]) -> list[tuple[int, dict[str, Any]]] | None:
     return records
 
 
+#: verl's validation accuracy of one data source (ray_trainer.py `_val_metrics_update`: the
+#: core variable is `acc` when the reward function returns it, the mean over the source's
+#: samples at the largest n; `val-core/<source>/reward/...` when it does not, not an accuracy).
+VAL_ACCURACY = re.compile(r"^val-core/(.+)/acc/mean@(\d+)$")
+
+
+def _validation_accuracies(step: int, data: Mapping[str, Any], evals: EvalPoints) -> None:
+    """The step's `val-core/<data source>/acc/mean@N` keys as eval points of that source (verl
+    logs no validation set size: their sampling error is unknown)."""
+    for key, value in data.items():
+        match = VAL_ACCURACY.match(key)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if match and number and math.isfinite(value):
+            evals.add(step, match.group(1), float(value), None)
+
+
 METRIC_OPTIONS: tuple[Option, ...] = (
     Option(
         "verl_version",
@@ -694,6 +730,7 @@ VERL = Importer(
             "verl's file-logger metrics JSONL of the same run: imported into the steps table",
         ),
         *METRIC_OPTIONS,
+        OOD_SETS_OPTION,
         *ROLLOUT_OPTIONS,
         *COMMON_OPTIONS,
     ),
@@ -705,7 +742,7 @@ VERL = Importer(
 VERL_METRICS = Importer(
     name="verl-metrics",
     summary="verl file-logger metrics JSONL ({step, data}) -> steps table",
-    options=(*METRIC_OPTIONS, *COMMON_OPTIONS),
+    options=(*METRIC_OPTIONS, OOD_SETS_OPTION, *COMMON_OPTIONS),
     tables=("steps",),
     default_algorithm="GRPO",
     run=import_verl_metrics,

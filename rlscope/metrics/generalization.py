@@ -83,6 +83,57 @@ def _gap_summary(frame: pl.DataFrame, ctx: MetricContext) -> dict[str, Any]:
 _EMPTY = "no rollouts with split {} (or {}_*)"
 
 
+def _logged(split: str) -> tuple[str, str]:
+    """The steps columns of a split's logged eval (the TRL importer's, from its eval sets):
+    accuracy, and the completions it was measured on (null: unknown)."""
+    return f"{split}_accuracy", f"{split}_completions"
+
+
+def _logged_partials(*splits: str):
+    def partials(ctx: MetricContext) -> dict[str, pl.Expr]:
+        out = {}
+        for split in splits:
+            accuracy, completions = _logged(split)
+            out[f"steps_{accuracy}"] = f64(accuracy).mean()
+            sized = ctx.run.has("steps", completions)
+            out[f"steps_{completions}"] = (
+                f64(completions).mean() if sized else pl.lit(None, pl.Float64)
+            )
+        return out
+
+    return partials
+
+
+def _logged_accuracy(split: str):
+    def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+        accuracy, completions = _logged(split)
+        return frame.select(
+            "step",
+            pl.col(f"steps_{accuracy}").alias("value"),
+            pl.col(f"steps_{completions}").alias("rollouts"),
+        ).filter(pl.col("value").is_not_null())
+
+    return series
+
+
+def _logged_gap(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+    (id_acc, id_n), (ood_acc, ood_n) = _logged(ID_SPLIT), _logged(OOD_SPLIT)
+    return frame.select(
+        "step",
+        (pl.col(f"steps_{id_acc}") - pl.col(f"steps_{ood_acc}")).alias("value"),
+        pl.col(f"steps_{id_acc}").alias("extra_id"),
+        pl.col(f"steps_{ood_acc}").alias("extra_ood"),
+        pl.col(f"steps_{id_n}").alias("n_id"),
+        pl.col(f"steps_{ood_n}").alias("n_ood"),
+    ).filter(pl.col("value").is_not_null())
+
+
+_LOGGED_SOURCE = (
+    "steps.{} as logged (the trainer's eval of its {} sets: TRL's eval_<set>_* entries; "
+    "completions from the set's size times num_generations_eval)"
+)
+
+
 def _declare(metric_id: str, split: str, title: str, doc: str, brief: str) -> None:
     DECLARED.metric(
         Metric(
@@ -102,6 +153,13 @@ def _declare(metric_id: str, split: str, title: str, doc: str, brief: str) -> No
                     _accuracy(split),
                     _PARTIALS,
                     empty_reason=_EMPTY.format(split, split),
+                ),
+                custom(
+                    "steps",
+                    (_logged(split)[0],),
+                    _logged_accuracy(split),
+                    _logged_partials(split),
+                    source=_LOGGED_SOURCE.format(_logged(split)[0], split),
                 ),
             ),
         )
@@ -149,6 +207,14 @@ DECLARED.metric(
                 _gap,
                 {**_PARTIALS, **dict([example_partial(FAILED_OOD_EXAMPLES, ~pl.col("correct"))])},
                 empty_reason="needs eval_id and eval_ood rollouts at the same steps",
+            ),
+            custom(
+                "steps",
+                (_logged(ID_SPLIT)[0], _logged(OOD_SPLIT)[0]),
+                _logged_gap,
+                _logged_partials(ID_SPLIT, OOD_SPLIT),
+                source=_LOGGED_SOURCE.format("eval_id/eval_ood_accuracy", "ID and OOD"),
+                empty_reason="needs eval_id and eval_ood accuracies logged at the same steps",
             ),
         ),
     )

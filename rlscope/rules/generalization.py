@@ -17,15 +17,28 @@ from rlscope.windows import TREND_FRACTION, window_size
 DECLARED = Declarations()
 
 
-def _window(frame: pl.DataFrame) -> tuple[float, float]:
+def _counts(frame: pl.DataFrame, column: str) -> np.ndarray | None:
+    """The eval sizes of a window's steps, None when any is unknown (a logged eval without
+    its set's size)."""
+    counts = frame[column].cast(pl.Float64)
+    if counts.null_count():
+        return None
+    return np.maximum(counts.to_numpy(), 1.0)
+
+
+def _window(frame: pl.DataFrame) -> tuple[float, float] | None:
     """Mean gap of the window's eval steps and its standard error: the larger of the binomial
-    error (from the eval counts) and the step-to-step scatter."""
+    error (from the eval counts) and the step-to-step scatter; the scatter alone when the
+    eval sizes are unknown, and None (no error to judge by) when that leaves one eval."""
     gap = frame["value"].to_numpy()
     acc_id, acc_ood = frame["extra_id"].to_numpy(), frame["extra_ood"].to_numpy()
-    n_id = np.maximum(frame["n_id"].to_numpy().astype(np.float64), 1.0)
-    n_ood = np.maximum(frame["n_ood"].to_numpy().astype(np.float64), 1.0)
-    binomial = acc_id * (1 - acc_id) / n_id + acc_ood * (1 - acc_ood) / n_ood
-    var = float(binomial.mean()) / len(gap)
+    n_id, n_ood = _counts(frame, "n_id"), _counts(frame, "n_ood")
+    var = 0.0
+    if n_id is not None and n_ood is not None:
+        binomial = acc_id * (1 - acc_id) / n_id + acc_ood * (1 - acc_ood) / n_ood
+        var = float(binomial.mean()) / len(gap)
+    elif len(gap) < 2:
+        return None
     if len(gap) > 1:
         var = max(var, float(gap.var(ddof=1)) / len(gap))
     return float(gap.mean()), math.sqrt(var)
@@ -33,10 +46,10 @@ def _window(frame: pl.DataFrame) -> tuple[float, float]:
 
 def _accuracy(frame: pl.DataFrame, column: str, counts: str) -> tuple[float, float]:
     """Mean accuracy of the window's eval steps and its standard error (the larger of the
-    binomial error and the step-to-step scatter)."""
+    binomial error, where the eval sizes are known, and the step-to-step scatter)."""
     acc = frame[column].to_numpy().astype(np.float64)
-    n = np.maximum(frame[counts].to_numpy().astype(np.float64), 1.0)
-    var = float((acc * (1 - acc) / n).mean()) / len(acc)
+    n = _counts(frame, counts)
+    var = float((acc * (1 - acc) / n).mean()) / len(acc) if n is not None else 0.0
     if len(acc) > 1:
         var = max(var, float(acc.var(ddof=1)) / len(acc))
     return float(acc.mean()), math.sqrt(var)
@@ -63,7 +76,10 @@ def _accuracy(frame: pl.DataFrame, column: str, counts: str) -> tuple[float, flo
     "seed's L5 question (§5, HGPO's ID vs OOD) is whether the policy learns patterns that "
     "carry over, and OOD stalling while ID rises says it does not. The message says whether "
     "OOD is flat or falling. Noise from binomial eval counts and the step-to-step scatter, so "
-    "it holds at any eval size and frequency.",
+    "it holds at any eval size and frequency. Evals logged by the trainer (TRL's eval sets: "
+    "generalization.eval_id/eval_ood from the steps table) count their completions where the "
+    "set's size is logged; where it is not, the scatter alone, and a window of one eval is "
+    "not judged (the error is unknown; the evidence says which).",
     remedy="add diverse or harder prompts to the training mix; stop at the checkpoint where the "
     "gap was smallest; regularise more (KL); check for prompt overlap between train and eval_id "
     "(a leak inflates ID accuracy).",
@@ -87,7 +103,10 @@ def ood_gap(ctx: RuleContext) -> Iterator[Finding]:
     if frame.height < p["min_evals"]:
         return
     w = window_size(frame.height, TREND_FRACTION, minimum=1)
-    (first, se_first), (last, se_last) = _window(frame.head(w)), _window(frame.tail(w))
+    head, tail = _window(frame.head(w)), _window(frame.tail(w))
+    if head is None or tail is None:
+        return  # eval sizes unknown and one eval a window: no sampling error to judge by
+    (first, se_first), (last, se_last) = head, tail
     widening = last - first
     se = math.hypot(se_first, se_last)
     z = widening / se if se > 0 else math.inf
@@ -112,6 +131,11 @@ def ood_gap(ctx: RuleContext) -> Iterator[Finding]:
         ood=[ood_first, ood],
         ood_trend=trend,
         z=z,
+        sampling_error=(
+            "binomial (eval sizes) and step-to-step scatter"
+            if frame["n_id"].null_count() + frame["n_ood"].null_count() == 0
+            else "step-to-step scatter only (eval sizes unknown)"
+        ),
         steps=[int(steps[0]), int(steps[-1])],
         rollout_ids=listed_examples(frame.tail(1), FAILED_OOD_EXAMPLES),
     )
