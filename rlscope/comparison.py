@@ -15,7 +15,7 @@ from rlscope._version import __version__
 from rlscope.catalog import Catalog, default_catalog
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
-from rlscope.report import Report, json_safe
+from rlscope.report import Report, band_distance, json_safe
 from rlscope.spec import severity_rank
 from rlscope.windows import FINAL_FRACTION, MIN_STEPS
 
@@ -41,9 +41,10 @@ class RunMetric:
     delta: float | None = None  # value - baseline value (None for the baseline itself)
     # CONFIDENCE interval of the difference of final-window means (bootstrap over steps).
     interval: tuple[float, float] | None = None
-    # "better", "worse" (the interval excludes 0; by the metric's direction), "noise"
-    # (it does not), "differs" (excludes 0, the metric has no preferred direction), "" (baseline
-    # or no interval).
+    # "better", "worse" (the interval excludes 0; by the metric's direction, or for a metric
+    # with a healthy band by the distance to it), "noise" (it does not), "differs" (excludes 0,
+    # and neither a direction nor the band tells which is healthier), "" (baseline or no
+    # interval).
     verdict: str = ""
 
 
@@ -59,6 +60,8 @@ class MetricComparison:
     missing: tuple[str | None, ...]  # per run, why it is missing (None where present)
     healthiest: int | None  # index of the healthier run, when the difference exceeds the noise
     summary: str  # one line: which run is healthier and why, or why none is called
+    band: tuple[float | None, float | None] | None = None  # the healthy band, if declared
+    task: bool = False  # a task outcome: the verdict leads with it
 
 
 @dataclass(frozen=True)
@@ -78,29 +81,72 @@ class FindingRow:
 
 
 @dataclass(frozen=True)
+class TaskOutcome:
+    """A task outcome metric (pass@1, pass@k, reward, eval accuracy) in one run against the
+    baseline: the two final-window values and the verdict."""
+
+    metric: str
+    baseline: float | None
+    value: float | None
+    verdict: str
+
+    def short(self) -> str:
+        name = TASK_NAMES.get(self.metric, self.metric)
+        values = [v for v in (self.baseline, self.value) if v is not None]
+        if len(values) < 2:
+            return name
+        return f"{name} {self.baseline:.3g} → {self.value:.3g}"
+
+
+#: How the verdict line names the task outcomes.
+TASK_NAMES = {
+    "signal.pass_at_1": "pass@1",
+    "signal.pass_at_k": "pass@k",
+    "signal.reward": "reward",
+    "generalization.eval_id": "eval ID accuracy",
+    "generalization.eval_ood": "eval OOD accuracy",
+}
+
+
+@dataclass(frozen=True)
 class RunVerdict:
-    """One run against the baseline, overall: the metrics significantly worse or better (by
-    their direction), those that differ (no direction), and findings the baseline lacks."""
+    """One run against the baseline, overall: the task outcome first, then the metrics
+    significantly worse or better (by their direction, or their distance to a healthy band),
+    those that differ (neither tells which is healthier), and findings the baseline lacks."""
 
     index: int
     label: str
-    worse: tuple[str, ...]
+    worse: tuple[str, ...]  # task outcomes first
     better: tuple[str, ...]
     differs: tuple[str, ...]
     new_findings: tuple[tuple[str, str], ...]  # (finding id, severity)
+    task: tuple[TaskOutcome, ...] = ()
 
     @property
     def regressed(self) -> bool:
         return bool(self.worse)
 
     def line(self) -> str:
-        """`run 2 (new-lr) vs baseline: 2 worse (a, b), 1 better (c); new findings: x (warn)`."""
-        parts = [f"{len(self.worse)} worse" + (f" ({', '.join(self.worse)})" if self.worse else "")]
-        if self.better:
-            parts.append(f"{len(self.better)} better ({', '.join(self.better)})")
+        """`run 2 (lr) vs baseline: task outcome worse (pass@1 0.93 → 0.09); 2 other metrics
+        worse (a, b), 1 better (c); new findings: x (warn)` — the task outcome first."""
+        task_ids = {t.metric for t in self.task}
+        head = []
+        for verdict in ("worse", "better"):
+            called = [t.short() for t in self.task if t.verdict == verdict]
+            if called:
+                head.append(f"task outcome {verdict} ({', '.join(called)})")
+        if self.task and not head:
+            head.append("task outcome within noise")
+        worse = [m for m in self.worse if m not in task_ids]
+        better = [m for m in self.better if m not in task_ids]
+        other = "other metrics " if self.task else ""
+        parts = [f"{len(worse)} {other}worse" + (f" ({', '.join(worse)})" if worse else "")]
+        if better:
+            parts.append(f"{len(better)} better ({', '.join(better)})")
         if self.differs:
             parts.append(f"{len(self.differs)} differ without a direction")
-        text = f"run {self.index + 1} ({self.label}) vs baseline: " + ", ".join(parts)
+        text = f"run {self.index + 1} ({self.label}) vs baseline: "
+        text += "; ".join([*head, ", ".join(parts)])
         if self.new_findings:
             text += "; new findings: " + ", ".join(f"{i} ({s})" for i, s in self.new_findings)
         return text
@@ -110,6 +156,7 @@ class RunVerdict:
             "run": self.index,
             "label": self.label,
             "regressed": self.regressed,
+            "task": [json_safe(vars(t)) for t in self.task],
             "worse": list(self.worse),
             "better": list(self.better),
             "differs": list(self.differs),
@@ -134,11 +181,12 @@ class Comparison:
         for index in range(1, len(self.reports)):
 
             def named(verdict: str, i: int = index) -> tuple[str, ...]:
-                return tuple(
-                    m.id
+                called = [
+                    m
                     for m in self.metrics.values()
                     if (run := m.runs[i]) is not None and run.verdict == verdict
-                )
+                ]
+                return tuple(m.id for m in sorted(called, key=lambda m: not m.task))
 
             base_findings = {f.id for f in self.reports[0].findings}
             new = tuple(
@@ -146,9 +194,16 @@ class Comparison:
                 for row in self.findings
                 if (severity := row.severities[index]) is not None and row.id not in base_findings
             )
+            task = tuple(
+                TaskOutcome(m.id, base.value, run.value, run.verdict or "noise")
+                for m in self.metrics.values()
+                if m.task and (base := m.runs[0]) is not None and (run := m.runs[index]) is not None
+            )
             label = self.labels[index]
             out.append(
-                RunVerdict(index, label, named("worse"), named("better"), named("differs"), new)
+                RunVerdict(
+                    index, label, named("worse"), named("better"), named("differs"), new, task
+                )
             )
         return out
 
@@ -189,6 +244,8 @@ class Comparison:
                     "layer": m.layer,
                     "title": m.title,
                     "better": m.better,
+                    "band": list(m.band) if m.band is not None else None,
+                    "task": m.task,
                     "healthiest": m.healthiest,
                     "summary": m.summary,
                     "runs": [
@@ -270,7 +327,7 @@ def compare_reports(
     for metric_id in ids:
         present = [r.metrics.get(metric_id) for r in reports]
         first = next(m for m in present if m is not None)
-        better = first.better
+        better, band = first.better, first.band
         base = present[0]
         runs: list[RunMetric | None] = []
         for index, result in enumerate(present):
@@ -280,15 +337,24 @@ def compare_reports(
             x = _aligned(result.steps, reports[index], align)
             run = RunMetric(result.value, result.steps, x, result.values)
             if index > 0 and base is not None:
-                run = _versus(run, base.values, result.values, base.value, better)
+                run = _versus(run, base.values, result.values, base.value, better, band)
             runs.append(run)
         missing = tuple(
             None if m is not None else skipped[i].get(metric_id, "not computed")
             for i, m in enumerate(present)
         )
-        healthiest, summary = _healthiest(runs, better)
+        healthiest, summary = _healthiest(runs, better, band)
         compared[metric_id] = MetricComparison(
-            metric_id, first.layer, first.title, better, tuple(runs), missing, healthiest, summary
+            metric_id,
+            first.layer,
+            first.title,
+            better,
+            tuple(runs),
+            missing,
+            healthiest,
+            summary,
+            band,
+            first.task,
         )
 
     finding_ids = list(dict.fromkeys(f.id for r in reports for f in r.findings))
@@ -351,6 +417,7 @@ def _versus(
     values: Sequence[float | None],
     base_value: float | None,
     better: str,
+    band: tuple[float | None, float | None] | None = None,
 ) -> RunMetric:
     delta = run.value - base_value if run.value is not None and base_value is not None else None
     interval = bootstrap_difference(final_window(base_values), final_window(values))
@@ -360,16 +427,31 @@ def _versus(
         scale = max((abs(v) for v in (*base_values, *values) if v is not None), default=0.0)
         if low <= 0 <= high or max(abs(low), abs(high)) <= FLOAT_TOLERANCE * scale:
             verdict = "noise"  # (a difference in the last bits of two equal series is none)
-        elif not better:
-            verdict = "differs"
-        else:
+        elif better:
             up = low > 0
             verdict = "better" if up == (better == "up") else "worse"
+        else:
+            verdict = _by_band(run.value, base_value, band)
     return RunMetric(run.value, run.steps, run.x, run.values, delta, interval, verdict)
 
 
-def _healthiest(runs: Sequence[RunMetric | None], better: str) -> tuple[int | None, str]:
-    if not better:
+def _by_band(
+    value: float | None, base: float | None, band: tuple[float | None, float | None] | None
+) -> str:
+    """A significant difference of a metric with no direction: healthier by the distance of
+    its final-window value to the healthy band (both inside, or equally far: it differs)."""
+    ours, theirs = band_distance(value, band), band_distance(base, band)
+    if ours is None or theirs is None or math.isclose(ours, theirs, abs_tol=1e-12):
+        return "differs"
+    return "better" if ours < theirs else "worse"
+
+
+def _healthiest(
+    runs: Sequence[RunMetric | None],
+    better: str,
+    band: tuple[float | None, float | None] | None = None,
+) -> tuple[int | None, str]:
+    if not better and band is None:
         return None, "no preferred direction"
     if runs[0] is None:
         return None, "the baseline cannot compute it"
@@ -378,11 +460,21 @@ def _healthiest(runs: Sequence[RunMetric | None], better: str) -> tuple[int | No
         return None, "no other run computes it"
     if all(r.interval is None for _, r in others):
         return None, f"too few steps for an interval (< {MIN_WINDOW_POINTS})"
+    why = (
+        f"{'higher' if better == 'up' else 'lower'} is healthier"
+        if better
+        else "closer to its healthy band"
+    )
     improved = [(i, r) for i, r in others if r.verdict == "better"]
     if improved:
-        sign = 1 if better == "up" else -1
-        best = max(improved, key=lambda ir: sign * (ir[1].delta or 0.0))[0]
-        return best, f"run {best + 1} ({'higher' if better == 'up' else 'lower'} is healthier)"
+        if better:
+            sign = 1 if better == "up" else -1
+            best = max(improved, key=lambda ir: sign * (ir[1].delta or 0.0))[0]
+        else:
+            best = min(improved, key=lambda ir: band_distance(ir[1].value, band) or 0.0)[0]
+        return best, f"run {best + 1} ({why})"
     if all(r.verdict == "worse" for _, r in others):
-        return 0, f"the baseline ({'higher' if better == 'up' else 'lower'} is healthier)"
+        return 0, f"the baseline ({why})"
+    if any(r.verdict == "differs" for _, r in others):
+        return None, "as close to its healthy band"
     return None, "within run-to-run noise"

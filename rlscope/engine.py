@@ -500,6 +500,7 @@ def compute(
             band=metric.band,
             better=metric.better,
             unit=metric.unit,
+            task=metric.task,
         )
     computed = Computed(
         results,

@@ -51,13 +51,25 @@ class MetricResult:
     band: tuple[float | None, float | None] | None = None
     better: str = ""
     unit: str = ""  # "share": a proportion in [0, 1]
+    task: bool = False  # a task outcome (compare leads with it)
 
     def outside_band(self) -> bool:
         """The final-window value lies outside the declared healthy band."""
-        if self.band is None or self.value is None:
-            return False
-        low, high = self.band
-        return (low is not None and self.value < low) or (high is not None and self.value > high)
+        return bool(band_distance(self.value, self.band))
+
+
+def band_distance(
+    value: float | None, band: tuple[float | None, float | None] | None
+) -> float | None:
+    """How far `value` lies outside `band` (0 inside it); None without a value or a band."""
+    if band is None or value is None:
+        return None
+    low, high = band
+    if low is not None and value < low:
+        return low - value
+    if high is not None and value > high:
+        return value - high
+    return 0.0
 
 
 @dataclass(frozen=True)

@@ -113,8 +113,11 @@ class Metric:
     brief: str = ""
     # "share": a proportion in [0, 1] (checked by the property tests); "" otherwise.
     unit: Unit = ""
-    # Which direction is better, for status colours and comparisons: "up", "down" or "" (band).
+    # Which direction is better, for status colours and comparisons: "up" or "down" only where
+    # one is unambiguous (task outcomes; error rates), else "" (a band, or nothing, says).
     better: Better = ""
+    # A task outcome (pass@1, pass@k, reward, eval accuracy): compare's verdict leads with it.
+    task: bool = False
     references: str = ""
     # Steps-table columns in which trainers log the same quantity (first found is used): when
     # rlscope recomputes the metric from rollouts or tokens, both are shown and compared.
@@ -124,7 +127,8 @@ class Metric:
     # Report whether the series' decline is smooth or a cliff (`decline` in the JSON).
     trajectory: bool = False
     # The healthy range of the final-window value, (low, high), None = open: where it is
-    # declared, a value outside it is shown as such (a metric with a band has no `better`).
+    # declared, a value outside it is shown as such, and compare judges runs by their distance
+    # to it (an error rate with a band keeps its direction inside it too).
     band: tuple[float | None, float | None] | None = None
     # A family template (id ending `.*`, e.g. `signal.reward.*`): the function of the run that
     # returns its members, one metric per run-specific name (e.g. per reward function).
@@ -171,6 +175,7 @@ class Metric:
             "band": list(self.band) if self.band is not None else None,
             "unit": self.unit or None,
             "better": self.better or None,
+            "task": self.task,
             "computed_from": [
                 {
                     "table": v.table,

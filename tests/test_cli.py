@@ -515,15 +515,20 @@ def test_compare_fits_80_columns_and_gates_on_regression(tmp_path: Path) -> None
     lines = shown.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
     assert lines[0].startswith("verdict: run 2 (synth-entropy-collapse) vs baseline: ")
-    assert "worse (behavior.entropy" in shown.stdout and "new findings:" in shown.stdout
+    assert lines[0].endswith("task outcome worse (reward ") and "new findings:" in shown.stdout
+    assert "pass@1 0.69 → 0.373" in shown.stdout
     for metric_id in ("behavior.entropy", "signal.pass_at_k", "behavior.response_len_incorrect"):
         assert f"│ {metric_id}  healthier:" in shown.stdout, metric_id
-    gate = rlscope("compare", base, new, "--metrics", "L2", "--fail-on-regression")
+    gate = rlscope("compare", base, new, "--metrics", "L3", "--fail-on-regression")
     assert gate.returncode == 1
-    same = rlscope("compare", base, base, "--metrics", "L2", "--fail-on-regression")
+    same = rlscope("compare", base, base, "--metrics", "L3", "--fail-on-regression")
     assert same.returncode == 0
-    doc = json.loads(rlscope("compare", base, new, "--metrics", "L2", "-f", "json").stdout)
+    # A lower entropy alone is no regression: entropy is healthy in a band, not a direction.
+    entropy = rlscope("compare", base, new, "--metrics", "L2", "--fail-on-regression")
+    assert entropy.returncode == 0
+    doc = json.loads(rlscope("compare", base, new, "--metrics", "L2,L3", "-f", "json").stdout)
     (verdict,) = doc["verdicts"]
     assert verdict["run"] == 1 and verdict["regressed"] is True
-    assert "behavior.entropy" in verdict["worse"]
+    assert verdict["worse"][:2] == ["signal.reward", "signal.pass_at_1"]
+    assert "behavior.entropy" in verdict["differs"]
     assert {"id": "entropy-collapse", "severity": "critical"} in verdict["new_findings"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import run_cli as rlscope
@@ -65,25 +66,25 @@ def test_final_window_takes_the_last_tenth_but_at_least_three_points() -> None:
 def test_delta_interval_and_healthier_run_follow_the_metric_direction(reports: tuple) -> None:
     healthy, collapse = reports
     comparison = compare_reports([healthy, collapse])
-    entropy = comparison.metrics["behavior.entropy"]
-    assert entropy.better == "up"
-    run = entropy.runs[1]
+    accuracy = comparison.metrics["signal.pass_at_1"]
+    assert accuracy.better == "up" and accuracy.task
+    run = accuracy.runs[1]
     assert run is not None and run.interval is not None
     assert run.delta == pytest.approx(
-        collapse.metrics["behavior.entropy"].value - healthy.metrics["behavior.entropy"].value
+        collapse.metrics["signal.pass_at_1"].value - healthy.metrics["signal.pass_at_1"].value
     )
     assert run.interval[1] < 0 and run.verdict == "worse"
-    assert entropy.healthiest == 0
+    assert accuracy.healthiest == 0
     # Reversed, the collapsed run is the baseline and the healthy one is better.
-    reverse = compare_reports([collapse, healthy]).metrics["behavior.entropy"]
+    reverse = compare_reports([collapse, healthy]).metrics["signal.pass_at_1"]
     assert reverse.runs[1].verdict == "better" and reverse.healthiest == 1
-    # No preferred direction: a difference is called "differs", never healthier.
+    # Entropy is healthy in a band, not in a direction: a difference "differs", never
+    # healthier (the collapse is entropy-collapse's to say, and it does).
+    entropy = comparison.metrics["behavior.entropy"]
+    assert entropy.better == "" and entropy.runs[1].verdict == "differs"
+    assert entropy.healthiest is None and entropy.summary == "no preferred direction"
     loss = comparison.metrics["stability.loss"]
     assert loss.better == "" and loss.healthiest is None
-    assert loss.summary == "no preferred direction"
-    # Within noise: the interval holds 0 and no run is called.
-    grad = comparison.metrics["stability.grad_norm"]
-    assert grad.runs[1].verdict == "noise" and grad.healthiest is None
 
 
 def test_missing_metrics_and_findings_only_one_run_has(reports: tuple) -> None:
@@ -128,6 +129,7 @@ def test_cli_compare_text_and_json() -> None:
     done = rlscope("compare", str(HEALTHY), str(COLLAPSE))
     assert done.returncode == 0, done.stderr
     assert "behavior.entropy" in done.stdout and "▼ worse" in done.stdout
+    assert "task outcome worse (reward" in done.stdout
     assert "only synth-entropy-collapse" in done.stdout
     assert "bootstrap" in done.stdout
     done = rlscope(
@@ -153,3 +155,110 @@ def test_cli_compare_usage_errors_exit_2(args: list[str], message: str) -> None:
     done = rlscope(*args)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_band_judges_by_distance_and_neither_direction_nor_band_only_differs() -> None:
+    """A significant difference of a metric with a healthy band: the run closer to it is the
+    healthier one; both inside (or equally far) differ; without a band nor a direction, it
+    only differs. An error rate with a band keeps its direction."""
+    from rlscope.comparison import RunMetric, _healthiest, _versus
+
+    base = [0.6, 0.62, 0.61, 0.6, 0.59, 0.6]
+    band = (0.0, 0.5)
+
+    def versus(values: list[float], better: str = "", bounds: tuple | None = band) -> str:
+        run = RunMetric(sum(values) / 6, tuple(range(6)), tuple(range(6)), tuple(values))
+        return _versus(run, base, values, sum(base) / 6, better, bounds).verdict
+
+    assert versus([0.45, 0.46, 0.44, 0.45, 0.46, 0.45]) == "better"  # inside the band
+    assert versus([0.8, 0.81, 0.79, 0.8, 0.8, 0.8]) == "worse"  # further out
+    assert versus([0.8, 0.81, 0.79, 0.8, 0.8, 0.8], bounds=None) == "differs"
+    assert versus([0.45, 0.46, 0.44, 0.45, 0.46, 0.45], bounds=(0.0, 1.0)) == "differs"
+    assert versus([0.45, 0.46, 0.44, 0.45, 0.46, 0.45], "down", (0.0, 1.0)) == "better"
+    closer = RunMetric(0.45, (0,), (0.0,), (0.45,), -0.15, (-0.17, -0.13), "better")
+    further = RunMetric(0.8, (0,), (0.0,), (0.8,), 0.2, (0.18, 0.22), "worse")
+    baseline = RunMetric(0.6, (0,), (0.0,), (0.6,))
+    assert _healthiest([baseline, further, closer], "", band) == (
+        2,
+        "run 3 (closer to its healthy band)",
+    )
+    assert _healthiest([baseline, further], "", band) == (
+        0,
+        "the baseline (closer to its healthy band)",
+    )
+
+
+def test_the_verdict_line_leads_with_the_task_outcome() -> None:
+    """Whatever else is better, a worse task outcome comes first, with its values; the other
+    metrics follow as `other metrics`; JSON has the task entries."""
+    from rlscope.comparison import RunVerdict, TaskOutcome
+
+    verdict = RunVerdict(
+        1,
+        "lr",
+        ("signal.pass_at_1", "signal.zero_std_frac"),
+        ("behavior.format_ok", "signal.reward"),
+        ("behavior.entropy",),
+        (("kl-high", "critical"),),
+        (
+            TaskOutcome("signal.pass_at_1", 0.93, 0.09, "worse"),
+            TaskOutcome("signal.reward", 1.0, 1.2, "better"),
+            TaskOutcome("signal.pass_at_k", 0.99, 0.98, "noise"),
+        ),
+    )
+    assert verdict.line() == (
+        "run 2 (lr) vs baseline: task outcome worse (pass@1 0.93 → 0.09); task outcome better "
+        "(reward 1 → 1.2); 1 other metrics worse (signal.zero_std_frac), 1 better "
+        "(behavior.format_ok), 1 differ without a direction; new findings: kl-high (critical)"
+    )
+    assert verdict.regressed
+    assert verdict.to_dict()["task"][0] == {
+        "metric": "signal.pass_at_1",
+        "baseline": 0.93,
+        "value": 0.09,
+        "verdict": "worse",
+    }
+    quiet = RunVerdict(
+        1, "b", (), (), (), (), (TaskOutcome("signal.pass_at_1", 0.5, 0.5, "noise"),)
+    )
+    assert quiet.line() == "run 2 (b) vs baseline: task outcome within noise; 0 other metrics worse"
+
+
+FIXTURES = ROOT.parent / "shared" / "fixtures" / "trl-real"
+
+
+@pytest.mark.skipif(not FIXTURES.is_dir(), reason="../shared/fixtures/trl-real is absent")
+def test_compare_on_genuine_trl_runs_leads_with_the_task(tmp_path: Path) -> None:
+    """lr-too-high against healthy (genuine TRL runs): the verdict leads with the collapse of
+    the task (reward, pass@1, pass@k worse), and higher entropy, diversity or a lower grad
+    norm are never called better. format-weighted-groupnorm against healthy: the task outcome
+    a little worse at the end (pass@1 0.926 → 0.895), better formatted."""
+    options = {"correct_column": "accuracy_reward"}
+
+    def against_healthy(name: str) -> Any:
+        return compare(
+            [FIXTURES / "healthy", FIXTURES / name],
+            from_format="trl",
+            import_options=options,
+        ).verdicts()[0]
+
+    broken = against_healthy("lr-too-high")
+    assert broken.line().startswith(
+        "run 2 (lr-too-high) vs baseline: task outcome worse (reward 1.17 → 0.343, pass@1 "
+        "0.926 → 0.0938, pass@k 1 → 0.25)"
+    )
+    assert broken.worse[:3] == ("signal.reward", "signal.pass_at_1", "signal.pass_at_k")
+    for band_like in ("behavior.entropy", "exploration.pairwise_diversity", "stability.grad_norm"):
+        assert band_like not in broken.better and band_like in broken.differs
+    assert broken.better == (
+        "behavior.truncation_rate",
+        "behavior.len_correct_corr",
+        "behavior.format_ok",
+    )
+    weighted = against_healthy("format-weighted-groupnorm")
+    assert [(t.metric, t.verdict) for t in weighted.task] == [
+        ("signal.reward", "worse"),
+        ("signal.pass_at_1", "worse"),
+        ("signal.pass_at_k", "noise"),
+    ]
+    assert weighted.better == ("behavior.format_ok",)

@@ -416,14 +416,46 @@ def test_status_ok_only_where_judged_and_band_outside() -> None:
     assert report.to_dict()["metrics"]["signal.group_std"]["status"] is None
 
 
-def test_band_metrics_have_no_better_direction() -> None:
+#: The only metrics with a direction: task outcomes (up) and error rates (and the L6 probe
+#: shares, whose direction the faithfulness papers give).
+DIRECTED = {
+    "signal.reward": "up",
+    "signal.pass_at_1": "up",
+    "signal.pass_at_k": "up",
+    "generalization.eval_id": "up",
+    "generalization.eval_ood": "up",
+    "reasoning.maj_at_n_first": "up",
+    "reasoning.step_accuracy": "up",
+    "stability.nonfinite": "down",
+    "behavior.truncation_rate": "down",
+    "behavior.format_ok": "up",
+    "behavior.repetition": "down",
+    "behavior.redundant_tool_calls": "down",
+    "reasoning.bias_following": "down",
+    "reasoning.answer_unchanged.truncate": "down",
+    "reasoning.answer_unchanged.mistake": "down",
+    "reasoning.answer_unchanged.paraphrase": "up",
+    "reasoning.early_answer_aoc": "up",
+}
+
+
+def test_a_direction_only_where_it_is_unambiguous() -> None:
+    """Entropy, diversity, grad norm, σ_G shares are healthy in a band, not a direction; a
+    banded metric has a direction only when it is an error rate (truncation)."""
     from rlscope.catalog import default_catalog
 
     METRICS = default_catalog().metrics
-
+    assert {m.id: m.better for m in METRICS.values() if m.better} == DIRECTED
     banded = [m for m in METRICS.values() if m.band is not None]
-    assert banded and all(m.better == "" for m in banded)
-    assert METRICS["signal.all_correct_frac"].better == ""
+    assert banded and {m.id for m in banded if m.better} == {"behavior.truncation_rate"}
+    tasks = {m.id for m in METRICS.values() if m.task}
+    assert tasks == {
+        "signal.reward",
+        "signal.pass_at_1",
+        "signal.pass_at_k",
+        "generalization.eval_id",
+        "generalization.eval_ood",
+    }
 
 
 # --- class 8: an empty selection is an input error ---------------------------------------------

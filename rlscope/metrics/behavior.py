@@ -54,7 +54,6 @@ DECLARED.metric(
         "normal; a steep early drop is collapse, and collapsed entropy caps attainable reward "
         "(R ≈ -a·e^H + b). Entropy is local: high entropy can be deliberation or guessing.",
         healthy="smooth decline; no loss of most of the initial entropy in the first steps",
-        better="up",
         references="Cui et al. 2025 (arXiv 2505.22617); Wang et al. 2025 (arXiv 2506.01939)",
         trajectory=True,
         variants=(
@@ -119,7 +118,6 @@ DECLARED.metric(
         f"{50 / ENTROPY_BINS_PER_EFOLD:g}% of (value + {ENTROPY_BIN_OFFSET:g} nats).",
         healthy="stays clearly above 0 (0.672 nats on Qwen3-8B CoT); falling to ~0 means even "
         "forking tokens have become deterministic",
-        better="up",
         references="Wang et al. 2025, 'Beyond the 80/20 rule' (arXiv 2506.01939)",
         variants=(
             Variant("tokens", ("entropy",), _entropy_quantile, dict([ENT_N]), level="entropy_bins"),
@@ -153,7 +151,6 @@ DECLARED.metric(
         "reinforced and entropy falls (Clip-Cov / KL-Cov target the tokens with the largest "
         "covariance).",
         healthy="small and near 0; persistently positive predicts entropy decline",
-        better="down",
         references="Cui et al. 2025, 'The entropy mechanism of RL for reasoning LMs' "
         "(arXiv 2505.22617)",
         variants=(
@@ -262,6 +259,7 @@ DECLARED.metric(
         "no reward for a reason unrelated to the task, which biases the learning signal.",
         healthy="below a few percent",
         references="verl response_length/clip_ratio; TRL completions/clipped_ratio",
+        better="down",
         variants=(
             ratio_variant(
                 "rollouts",
@@ -413,7 +411,6 @@ DECLARED.metric(
         "behaves on the same prompt, sqrt(Σ_groups Σ (calls - group mean)² / Σ_groups (n - 1)). "
         "Large relative to the mean number of calls = an unstable tool policy (seed §3).",
         healthy="small relative to behavior.tool_calls (coefficient of variation well below 1)",
-        better="down",
         variants=(
             custom("rollouts", ("n_tool_calls",), _calls_std, dict([N, CALLS_SUM, CALLS_SQ])),
         ),
@@ -554,7 +551,6 @@ for _segment in text.SEGMENTS:
             "entropy collapses while the answer's stays put means the policy stopped exploring "
             "how it reasons, not what it answers.",
             healthy="think entropy declining smoothly, above the answer's",
-            better="up",
             references="Wang et al. 2025 (arXiv 2506.01939)",
             variants=(_segment_entropy(_segment),),
         )
@@ -667,7 +663,6 @@ DECLARED.metric(
         "Falling while accuracy holds = more calls for the same answers; null at steps without "
         "calls.",
         healthy="stable or rising",
-        better="up",
         references="Wang et al. 2025, OTC (arXiv 2504.14870)",
         variants=(
             custom(

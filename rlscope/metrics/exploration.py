@@ -105,7 +105,6 @@ DECLARED.metric(
         "make two rollouts with different texts identical. 1 = every rollout different; "
         "1/N = all N identical, and GRPO gets no signal from a group of copies.",
         healthy="near 1 for free-text reasoning; a slow decline is normal, a fall to 1/N is not",
-        better="up",
         trajectory=True,
         references="seed §5 (L4); Feng et al. 2025, GiGPO (Fig. 5)",
         variants=(
@@ -170,7 +169,6 @@ DECLARED.metric(
         "the distribution of cluster sizes over the run and the final window (GiGPO's Fig. 5: "
         "step-level groups concentrating at size N means exploration is lost).",
         healthy="close to 1/N; mass at size 1 in the cluster-size distribution",
-        better="down",
         summary=_cluster_histogram,
         references="Feng et al. 2025, GiGPO (Fig. 5)",
         variants=(
@@ -340,7 +338,6 @@ DECLARED.metric(
         "sequences (`actions`): Levenshtein distance over actions / the longer length "
         "(ALFWorld/WebShop style). 0 = all identical.",
         healthy="high and slowly declining; a fall towards 0 means the group collapsed to one mode",
-        better="up",
         trajectory=True,
         references="seed §5 (L4); Broder 1997 (MinHash); Feng et al. 2025, GiGPO",
         variants=(

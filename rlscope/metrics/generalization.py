@@ -145,6 +145,7 @@ def _declare(metric_id: str, split: str, title: str, doc: str, brief: str) -> No
             doc=doc,
             healthy="rising with training",
             better="up",
+            task=True,
             references="seed §6 (L5); HGPO (arXiv 2602.22817)",
             variants=(
                 custom(
@@ -197,7 +198,6 @@ DECLARED.metric(
         "least-squares slope per 100 steps and the first vs last fifth of the eval steps; "
         "`components` the final ID and OOD accuracies.",
         healthy="small and not widening",
-        better="down",
         summary=_gap_summary,
         references="HGPO (arXiv 2602.22817): GiGPO 90.2 ID / 84.8 OOD on ALFWorld",
         variants=(

@@ -84,6 +84,7 @@ DECLARED.metric(
         "keeps rising while the policy mode-collapses (compare signal.pass_at_k).",
         healthy="rising, then plateauing",
         better="up",
+        task=True,
         variants=(
             custom(
                 "rollouts",
@@ -307,7 +308,6 @@ DECLARED.metric(
         "(ddof = 1, GRPO's normaliser). σ_G = 0 means the group gives GRPO no gradient at all. "
         "Groups of one rollout have no σ_G and are left out.",
         healthy="clearly above 0; for 0/1 rewards at most ~0.53 (N = 8, half correct)",
-        better="up",
         references="Shao et al. 2024, GRPO (DeepSeekMath)",
         variants=(custom("rollouts", ("reward",), _group_mean(pl.col("r_std")), dict([N, R_STD])),),
     )
@@ -365,7 +365,6 @@ DECLARED.metric(
         doc="Share of prompt groups (size >= 2) where no rollout is correct: too hard for the "
         "current policy.",
         healthy="a minority; a large share means the policy is left behind",
-        better="down",
         variants=(
             custom(
                 "rollouts",
@@ -447,6 +446,7 @@ DECLARED.metric(
         "the same, as in pass@k).",
         healthy="rising",
         better="up",
+        task=True,
         variants=(custom("rollouts", ("correct",), _pass_1, dict([N, N_CORRECT])),),
     )
 )
@@ -467,6 +467,7 @@ DECLARED.metric(
         healthy="rising with pass@1, or at least not falling",
         better="up",
         references="Chen et al. 2021 (Codex); Yue et al. 2025 (arXiv 2504.13837); verl PR 7240",
+        task=True,
         variants=(
             custom("rollouts", ("correct",), _pass_k, dict([N, N_CORRECT]), empty_reason=_NO_K),
         ),
@@ -594,7 +595,6 @@ DECLARED.metric(
         title="Advantage mass from medium prompts",
         doc=_TIERS_DOC,
         healthy="the largest of the three tiers (> 0.4)",
-        better="up",
         references="seed §4 (gradient flow by difficulty)",
         variants=(
             custom(

@@ -39,7 +39,6 @@ DECLARED.metric(
         "a spike usually coincides with one rollout of extreme reward; rlscope's grad-spike "
         "finding names the step and its most extreme rollouts.",
         healthy="smooth, slowly varying; isolated multiplicative outliers are spikes",
-        better="down",
         variants=(step_column("grad_norm"),),
     )
 )

@@ -89,8 +89,8 @@ def _run_cell(metric: MetricComparison, index: int, curve: str) -> Text:
 
 
 def _healthier(metric: MetricComparison) -> Text:
-    arrow = {"up": "↑", "down": "↓"}.get(metric.better, "")
-    if not metric.better:
+    arrow = {"up": "↑", "down": "↓"}.get(metric.better, "band" if metric.band else "")
+    if not arrow:
         return Text("— (no direction)", style="dim")
     if metric.healthiest is None:
         short = "≈ noise" if metric.summary == "within run-to-run noise" else "n/a"
@@ -107,7 +107,9 @@ def _layer_panel(comparison: Comparison, layer: str, width: int) -> Panel | None
     """A table with a column per run; when the metric ids, the cells and the verdicts do not
     fit side by side, each metric is a line (id and which run is healthier) over its cells, so
     that nothing is ever cut."""
-    metrics = [m for m in comparison.metrics.values() if m.layer == layer]
+    metrics = sorted(
+        (m for m in comparison.metrics.values() if m.layer == layer), key=lambda m: not m.task
+    )
     if not metrics:
         return None
     runs = range(len(comparison.reports))
@@ -204,8 +206,9 @@ def render_comparison(comparison: Comparison, console: Console) -> None:
         Text(
             f"Δ = value − baseline value (final-window means); [a, b] = {CONFIDENCE:.0%} bootstrap "
             "interval of the difference over each run's final-window steps (last 10%, at least "
-            f"{MIN_WINDOW_POINTS}); ▲/▼ only when it excludes 0. Curves share each metric's "
-            "x range and y scale.",
+            f"{MIN_WINDOW_POINTS}); ▲/▼ only when it excludes 0, by the metric's direction "
+            "(task outcomes, error rates) or its distance to a healthy band; ≠ where neither "
+            "says. Curves share each metric's x range and y scale.",
             style="dim",
         )
     )

@@ -491,12 +491,14 @@ def _compare_table(comparison: Comparison) -> str:
             cells.append(f"<td class='{_e(run.verdict)}'>{text}</td>")
         return f"<tr><td><code>{_e(metric.id)}</code></td>{''.join(cells)}</tr>"
 
+    ordered = sorted(comparison.metrics.values(), key=lambda m: not m.task)  # task first
     called = [
         m
-        for m in comparison.metrics.values()
-        if any(r is not None and r.verdict in ("worse", "better", "differs") for r in m.runs)
+        for m in ordered
+        if m.task
+        or any(r is not None and r.verdict in ("worse", "better", "differs") for r in m.runs)
     ]
-    rest = [m for m in comparison.metrics.values() if m not in called]
+    rest = [m for m in ordered if m not in called]
     lines = "".join(
         f"<p class='verdict {'bad' if v.regressed else 'good'}'>{_e(v.line())}</p>"
         for v in comparison.verdicts()
@@ -514,7 +516,8 @@ def _compare_table(comparison: Comparison) -> str:
         )
     return out + (
         "<p class='dim'>Δ = value − baseline (final-window means); [a, b] = 95% bootstrap interval "
-        "of the difference; worse/better only when it excludes 0, by the metric's direction.</p>"
+        "of the difference; worse/better only when it excludes 0, by the metric's direction "
+        "(task outcomes, first; error rates) or its distance to a healthy band.</p>"
     )
 
 
