@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from rlscope.metrics.signal import ACC_SQ
 from rlscope.report import MetricResult
 from rlscope.spec import Finding, Rule, Severity
 from rlscope.windows import TREND_FRACTION, window_size
@@ -98,9 +99,10 @@ def compare_pooled_windows(
     per-unit values (`value`: the mean over the step's `units`, `sum_sq`: Σ value²), pooled
     over each window's units, so each point weighs what it measured: a sparse series of big
     batches is judged on its evidence, a dense one of tiny batches is not over-trusted. The
-    standard error of a window is the larger of the spread of its units over their number
-    (the units are the sampling unit: prompt groups, with their difficulty) and the step-to-
-    step scatter's (which also catches drift within the window). None with fewer than
+    standard error of a window is the spread of its units over their number: the units (prompt
+    groups, each drawn afresh with its difficulty) are the sampling unit, so this is the
+    error whatever the batch size and the number of points (a window's step-to-step scatter
+    estimates the same from 3 to 10 values, far more noisily). None with fewer than
     MIN_EVIDENCE_POINTS points."""
     rows = frame.filter(pl.col("value").is_not_null() & (pl.col(units) > 0)).sort("step")
     n = rows.height
@@ -115,9 +117,8 @@ def compare_pooled_windows(
         total = count.sum()
         mean = float((values * count).sum() / total)
         spread = max(float(squares.sum()) / total - mean**2, 0.0) * total / max(total - 1, 1)
-        scatter = _var(values) / len(values)
         means.append(mean)
-        ses.append(math.sqrt(max(spread / total, scatter)))
+        ses.append(math.sqrt(spread / total))
     se = math.sqrt(ses[0] ** 2 + ses[1] ** 2)
     delta = means[1] - means[0]
     z = delta / se if se > 0 else (math.inf if delta > 0 else -math.inf if delta < 0 else 0.0)
@@ -131,6 +132,21 @@ def compare_pooled_windows(
         (int(steps[-w]), int(steps[-1])),
         se,
     )
+
+
+def pass_at_1_trend(
+    ctx: RuleContext, fraction: float = TREND_FRACTION, min_steps: float = MIN_TREND_STEPS
+) -> Windows | None:
+    """pass@1's first vs last window judged on its evidence (`compare_pooled_windows`: each
+    window pools its prompt groups; from MIN_EVIDENCE_POINTS points) where its frame carries
+    them, else on the step-to-step scatter of at least `min_steps` steps; None without."""
+    frame = ctx.frame("signal.pass_at_1")
+    if frame is not None and {"groups", ACC_SQ} <= set(frame.columns):
+        return compare_pooled_windows(frame, "groups", ACC_SQ, fraction)
+    series = ctx.series("signal.pass_at_1")
+    if series is None or len(series) < max(min_steps, 1):
+        return None
+    return compare_windows(series, fraction)
 
 
 def _var(x: np.ndarray) -> float:

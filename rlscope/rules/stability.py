@@ -9,15 +9,15 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from rlscope.metrics.signal import ACC_SQ, REWARD_EXTREMES
+from rlscope.metrics.signal import REWARD_EXTREMES
 from rlscope.rules.base import (
     MIN_TREND_STEPS,
     RuleContext,
-    compare_pooled_windows,
     compare_windows,
     final_level,
     final_mean,
     final_steps,
+    pass_at_1_trend,
     pct,
 )
 from rlscope.spec import Declarations, Finding, Param, Severity
@@ -528,19 +528,19 @@ def divergence(ctx: RuleContext) -> Iterator[Finding]:
     brief="critical: pass@1 (else reward) falls ≥ 0.03 between the first and last tenth, z ≤ −3",
     layer="L1",
     title="The policy got worse at its task",
-    doc="pass@1 (or, without correctness, the mean reward) fell between the first and last "
-    "tenth of the run by at least `min_fall` (pass@1, absolute) and significantly (z <= "
-    "-`z`). pass@1 is judged on its evidence, not its number of steps: each window pools its "
-    "prompt groups, its standard error the larger of the spread of the groups' accuracies "
-    "over their number (prompts are the sampling unit, their difficulty included) and the "
-    "step-to-step scatter's, so six points of 256 completions each (a TRL run that generates "
-    "once every few optimizer steps) are judged, and a long series of 4-prompt steps is not "
-    "over-trusted. The mean reward, with no per-step sampling error, is judged on the "
-    "step-to-step scatter of at least `min_steps` steps. RL on a reward should not make the "
-    "policy worse at that reward: a sustained fall means the updates are destructive "
-    "(learning rate too high, KL too loose, a reward or advantage bug) — the seed's L1 "
-    "question 'is the optimisation working' answered no. Short windows (a tenth) so a "
-    "collapse in the first steps is not averaged away.",
+    doc="pass@1 (or, without correctness, the mean reward) fell between the first and last tenth "
+    "of "
+    "the run by at least `min_fall` (pass@1, absolute) and significantly (z <= -`z`). pass@1 is "
+    "judged on its evidence, not its number of steps: each window pools its prompt groups, its "
+    "standard error the spread of the groups' accuracies over their number (prompts are the "
+    "sampling unit, their difficulty included), so six points of 256 completions each (a TRL run "
+    "that generates once every few optimizer steps) are judged, and a long series of 4-prompt "
+    "steps is not over-trusted. The mean reward, with no per-step sampling error, is judged on "
+    "the step-to-step scatter of at least `min_steps` steps. RL on a reward should not make the "
+    "policy worse at that reward: a sustained fall means the updates are destructive (learning "
+    "rate too high, KL too loose, a reward or advantage bug) — the seed's L1 question 'is the "
+    "optimisation working' answered no. Short windows (a tenth) so a collapse in the first steps "
+    "is not averaged away.",
     remedy="lower the learning rate; raise the KL coefficient; check the reward function and "
     "the advantage sign on a few rollouts; resume from a checkpoint before the fall.",
     metrics=("signal.pass_at_1", "signal.reward"),
@@ -562,9 +562,8 @@ def performance_regression(ctx: RuleContext) -> Iterator[Finding]:
             "mean reward",
         )
     )
-    frame = ctx.frame("signal.pass_at_1") if accuracy is not None else None
-    if frame is not None and {"groups", ACC_SQ} <= set(frame.columns):
-        trend = compare_pooled_windows(frame, "groups", ACC_SQ, fraction=0.1)
+    if accuracy is not None:
+        trend = pass_at_1_trend(ctx, fraction=0.1, min_steps=p["min_steps"])
     elif measure is not None and len(measure) >= p["min_steps"]:
         trend = compare_windows(measure, fraction=0.1)
     else:
