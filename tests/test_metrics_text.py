@@ -426,17 +426,19 @@ def test_rollout_levels_in_step_ranges_give_the_one_pass_answers(
         assert_json_close(ranged["findings"], whole["findings"])
 
 
-def assert_json_close(a: Any, b: Any, where: str = "") -> None:
-    """Equal JSON, floats up to summation order (1e-9 relative)."""
+def assert_json_close(
+    a: Any, b: Any, where: str = "", rel: float = 1e-9, absolute: float = 1e-12
+) -> None:
+    """Equal JSON, floats up to summation order (`rel` relative, default 1e-9)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        assert a.keys() == b.keys(), where
+        assert a.keys() == b.keys(), (where, a.keys() ^ b.keys())
         for key in a:
-            assert_json_close(a[key], b[key], f"{where}/{key}")
+            assert_json_close(a[key], b[key], f"{where}/{key}", rel, absolute)
     elif isinstance(a, list | tuple) and isinstance(b, list | tuple):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_json_close(x, y, f"{where}[{i}]")
+            assert_json_close(x, y, f"{where}[{i}]", rel, absolute)
     elif isinstance(a, float) and isinstance(b, float):
-        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (where, a, b)
+        assert math.isclose(a, b, rel_tol=rel, abs_tol=absolute), (where, a, b)
     else:
-        assert a == b, where
+        assert a == b, (where, a, b)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pytest
+from test_metrics_text import assert_json_close
 
 from rlscope._version import __version__
 from rlscope.analysis import analyze as analyze_run
@@ -187,20 +187,9 @@ def _report_json(report: Any) -> dict[str, Any]:
     return out
 
 
-def assert_same(warm: Any, cold: Any, where: str = "") -> None:
+def assert_same(warm: Any, cold: Any) -> None:
     """Equal JSON, floats to 1e-12 relative (summation order)."""
-    if isinstance(warm, dict) and isinstance(cold, dict):
-        assert warm.keys() == cold.keys(), (where, warm.keys() ^ cold.keys())
-        for key in warm:
-            assert_same(warm[key], cold[key], f"{where}/{key}")
-    elif isinstance(warm, list) and isinstance(cold, list):
-        assert len(warm) == len(cold), where
-        for i, (a, b) in enumerate(zip(warm, cold, strict=True)):
-            assert_same(a, b, f"{where}[{i}]")
-    elif isinstance(warm, float) and isinstance(cold, float):
-        assert math.isclose(warm, cold, rel_tol=1e-12, abs_tol=1e-300), (where, warm, cold)
-    else:
-        assert warm == cold, (where, warm, cold)
+    assert_json_close(warm, cold, rel=1e-12, absolute=1e-300)
 
 
 def _held_back(run: Path, target: Path) -> tuple[Path, list[tuple[Path, Path]]]:
