@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from fractions import Fraction
@@ -645,3 +646,37 @@ def test_a_heavy_auxiliary_term_without_group_scaling_is_found(write_run: WriteR
         use_cache=False,
     )
     assert "auxiliary-reward-dominates" not in {f.id for f in fair.findings}
+
+
+WEIGHTED = (
+    Path(__file__).resolve().parents[2] / "shared/fixtures/trl-real/format-weighted-groupnorm"
+)
+
+
+@pytest.mark.skipif(not WEIGHTED.is_dir(), reason="../shared/fixtures/trl-real absent")
+def test_advantage_share_reconstructed_equals_trls_own_advantages(tmp_path: Path) -> None:
+    """On a genuine TRL run (format weighted 32x accuracy, group std scaling): the shares from
+    TRL's logged advantages and those reconstructed from the rewards with run.json's
+    scale_rewards agree at every step (to TRL's float32), and the accuracy term's share
+    rises ~0.4 -> ~0.8 as the run's README says accuracy keeps learning."""
+    import shutil
+
+    from rlscope.analysis import analyze
+    from rlscope.importers import import_run
+
+    run = tmp_path / "run"
+    import_run("trl", WEIGHTED, run, correct_column="accuracy_reward")
+    assert json.loads((run / "run.json").read_text())["scale_rewards"] == "group"
+    bare = tmp_path / "without-advantages"
+    shutil.copytree(run, bare)
+    for path in (bare / "rollouts").rglob("*.parquet"):
+        pl.read_parquet(path).drop("advantage").write_parquet(path)
+    metric = "signal.advantage_share.accuracy_reward"
+    logged = analyze(run, use_cache=False).metrics[metric]
+    rebuilt = analyze(bare, use_cache=False).metrics[metric]
+    assert logged.source.startswith("rollouts.advantage")
+    assert rebuilt.source.startswith("run.json scale_rewards")
+    assert logged.steps == rebuilt.steps
+    assert np.allclose(logged.values, rebuilt.values, atol=1e-6)
+    tenth = len(logged.values) // 10
+    assert np.mean(logged.values[:tenth]) < 0.5 < 0.75 < np.mean(logged.values[-tenth:])
