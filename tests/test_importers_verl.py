@@ -289,7 +289,7 @@ def test_hydra_config_says_what_the_importer_needs(tmp_path: Path) -> None:
     run = tmp_path / "outputs" / "run1"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text(
-        "actor_rollout_ref:\n  actor:\n    use_kl_loss: false\n"
+        "actor_rollout_ref:\n  actor:\n    use_kl_loss: false\n    grad_clip: 0.5\n"
         "    loss_agg_mode: seq-mean-token-sum\n  rollout:\n    n: 4\n"
     )
     source = metrics_log(run / "metrics.jsonl", {"actor/entropy": 70.0, "actor/kl_loss": 0.01})
@@ -297,6 +297,8 @@ def test_hydra_config_says_what_the_importer_needs(tmp_path: Path) -> None:
     steps = table(tmp_path / "out", "steps")
     assert "entropy" not in steps.columns and "kl" not in steps.columns
     assert any("config.yaml" in n for n in result.notes)
+    # The actor's gradient clip: grad-spike judges what passed it.
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["max_grad_norm"] == 0.5
 
 
 def test_validation_accuracies_per_data_source_give_l5(tmp_path: Path) -> None:

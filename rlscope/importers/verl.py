@@ -428,6 +428,8 @@ def import_verl_metrics(session: Session) -> None:
                 a source named with the word `ood` is OOD; several sources of a split are
                 averaged), read by rlscope's L5 metrics when there are no eval rollouts.
                 verl logs no validation set size, so their sampling error is unknown.
+    run.json `max_grad_norm` = the Hydra config's `actor_rollout_ref.actor.grad_clip` (the
+    logged actor/grad_norm is the norm before that clip: dp_actor.py `_optimizer_step`).
     Every other numeric key is an extra column under its own name (`actor/ppo_kl`,
     `critic/score/mean`, `response_length/mean`, `response_length/clip_ratio`, ...:
     metric_utils.py `compute_data_metrics`, token-based); rlscope reads the logged reward,
@@ -450,6 +452,9 @@ def _import_metrics_files(source: Path, session: Session) -> None:
     if not files:
         raise RlscopeError(f"{source}: no *.jsonl metrics file")
     settings = _settings(source, session)
+    clip = settings["grad_clip"]
+    if isinstance(clip, int | float) and not isinstance(clip, bool) and clip > 0:
+        session.meta.setdefault("max_grad_norm", float(clip))
     evals = EvalPoints(session.options["ood_sets"])
     for done, (_, path) in enumerate(files, 1):
         status = session.read_status(path, done, len(files))
@@ -510,6 +515,8 @@ def _settings(source: Path, session: Session) -> dict[str, Any]:
         "loss_agg_mode": pick("loss_agg_mode", actor.get("loss_agg_mode")) or "token-mean",
         "kl_loss_scale": opts["kl_loss_scale"],
         "n": rollout.get("n"),
+        # dp_actor.py `_optimizer_step`: actor/grad_norm is clip_grad_norm_'s norm before this clip.
+        "grad_clip": actor.get("grad_clip"),
         "max_response_length": config.get("data", {}).get("max_response_length")
         if config
         else None,
