@@ -94,16 +94,19 @@ def _declared(metric_id: str = "demo.mean_reward", rule_id: str = "demo-low") ->
     return declared
 
 
+#: Four steps of two prompt groups of two, for the demo catalog.
+DEMO_ROWS = {
+    "step": [s for s in range(4) for _ in range(4)],
+    "prompt_id": ["p", "p", "q", "q"] * 4,
+    "rollout_id": list(range(16)),
+    "response_len": [10] * 16,
+    "reward": [0.0, 0.2, 0.1, 0.3] * 4,
+}
+
+
 def test_a_catalog_of_ones_own_declarations_is_computed_and_judged(write_run: WriteRun) -> None:
     """Everything takes its catalog: a user's own metric and rule, nothing of rlscope's."""
-    rows = {
-        "step": [s for s in range(4) for _ in range(4)],
-        "prompt_id": ["p", "p", "q", "q"] * 4,
-        "rollout_id": list(range(16)),
-        "response_len": [10] * 16,
-        "reward": [0.0, 0.2, 0.1, 0.3] * 4,
-        "correct": [False, False, False, True] * 4,
-    }
+    rows = {**DEMO_ROWS, "correct": [False, False, False, True] * 4}
     run = write_run({"rollouts": rows})
     catalog = Catalog.of([_declared()])
     report = analyze(run, catalog=catalog, use_cache=False)
@@ -165,14 +168,7 @@ def test_a_rule_that_raises_is_a_failed_skip_and_a_warning_never_the_end(
         yield ctx.finding("never")
         raise KeyError("sxx")
 
-    rows = {
-        "step": [s for s in range(4) for _ in range(4)],
-        "prompt_id": ["p", "p", "q", "q"] * 4,
-        "rollout_id": list(range(16)),
-        "response_len": [10] * 16,
-        "reward": [0.0, 0.2, 0.1, 0.3] * 4,
-    }
-    run = write_run({"rollouts": rows})
+    run = write_run({"rollouts": DEMO_ROWS})
     catalog = Catalog.of([declared])
     report = analyze(run, catalog=catalog, use_cache=False)
     assert [f.id for f in report.findings] == ["demo-low"]  # the half-made finding is dropped
