@@ -61,7 +61,7 @@ class MetricComparison:
     healthiest: int | None  # index of the healthier run, when the difference exceeds the noise
     summary: str  # one line: which run is healthier and why, or why none is called
     band: tuple[float | None, float | None] | None = None  # the healthy band, if declared
-    task: bool = False  # a task outcome: the verdict leads with it
+    task: str = ""  # a task outcome's short name: the verdict leads with it
 
 
 @dataclass(frozen=True)

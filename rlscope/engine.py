@@ -501,6 +501,7 @@ def compute(
             better=metric.better,
             unit=metric.unit,
             task=metric.task,
+            scale_from=metric.scale_from,
         )
     computed = Computed(
         results,

@@ -51,7 +51,8 @@ class MetricResult:
     band: tuple[float | None, float | None] | None = None
     better: str = ""
     unit: str = ""  # "share": a proportion in [0, 1]
-    task: bool = False  # a task outcome (compare leads with it)
+    task: str = ""  # a task outcome's short name (compare leads with it)
+    scale_from: tuple[str, ...] = ()  # run.json fields that set its scale
 
     def outside_band(self) -> bool:
         """The final-window value lies outside the declared healthy band."""

@@ -116,8 +116,12 @@ class Metric:
     # Which direction is better, for status colours and comparisons: "up" or "down" only where
     # one is unambiguous (task outcomes; error rates), else "" (a band, or nothing, says).
     better: Better = ""
-    # A task outcome (pass@1, pass@k, reward, eval accuracy): compare's verdict leads with it.
-    task: bool = False
+    # A task outcome (pass@1, pass@k, reward, eval accuracy), by the short name compare's
+    # verdict gives it: the verdict leads with it. "" = not a task outcome.
+    task: str = ""
+    # run.json fields that set the metric's scale (the mean reward: the reward functions and
+    # their weights): compare judges a run on it only where these equal the baseline's.
+    scale_from: tuple[str, ...] = ()
     references: str = ""
     # Steps-table columns in which trainers log the same quantity (first found is used): when
     # rlscope recomputes the metric from rollouts or tokens, both are shown and compared.
@@ -175,7 +179,8 @@ class Metric:
             "band": list(self.band) if self.band is not None else None,
             "unit": self.unit or None,
             "better": self.better or None,
-            "task": self.task,
+            "task": self.task or None,
+            "scale_from": list(self.scale_from),
             "computed_from": [
                 {
                     "table": v.table,

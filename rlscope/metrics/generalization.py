@@ -134,7 +134,7 @@ _LOGGED_SOURCE = (
 )
 
 
-def _declare(metric_id: str, split: str, title: str, doc: str, brief: str) -> None:
+def _declare(metric_id: str, split: str, title: str, doc: str, brief: str, task: str) -> None:
     DECLARED.metric(
         Metric(
             id=metric_id,
@@ -145,7 +145,7 @@ def _declare(metric_id: str, split: str, title: str, doc: str, brief: str) -> No
             doc=doc,
             healthy="rising with training",
             better="up",
-            task=True,
+            task=task,
             references="seed §6 (L5); HGPO (arXiv 2602.22817)",
             variants=(
                 custom(
@@ -174,6 +174,7 @@ _declare(
     "Accuracy (share correct) of the `eval_id` rollouts (pooled with any `eval_id_*` split) at "
     "each eval step: held-out prompts from the training distribution.",
     brief="accuracy of `eval_id` (and `eval_id_*`) rollouts per eval step",
+    task="eval ID accuracy",
 )
 _declare(
     "generalization.eval_ood",
@@ -183,6 +184,7 @@ _declare(
     "at each eval step: prompts from another distribution (other tasks, harder levels, unseen "
     "environments).",
     brief="accuracy of `eval_ood` (and `eval_ood_*`) rollouts per eval step",
+    task="eval OOD accuracy",
 )
 
 

@@ -81,10 +81,13 @@ DECLARED.metric(
         layer="L3",
         title="Mean reward",
         doc="Mean sequence reward over the step's train rollouts. Necessary, not sufficient: it "
-        "keeps rising while the policy mode-collapses (compare signal.pass_at_k).",
+        "keeps rising while the policy mode-collapses (compare signal.pass_at_k). Its scale is "
+        "the run's own reward functions and weights: `compare` judges two runs on it only where "
+        "run.json `reward_components` and `reward_weights` are the same.",
         healthy="rising, then plateauing",
         better="up",
-        task=True,
+        task="reward",
+        scale_from=("reward_components", "reward_weights"),
         variants=(
             custom(
                 "rollouts",
@@ -446,7 +449,7 @@ DECLARED.metric(
         "the same, as in pass@k).",
         healthy="rising",
         better="up",
-        task=True,
+        task="pass@1",
         variants=(custom("rollouts", ("correct",), _pass_1, dict([N, N_CORRECT])),),
     )
 )
@@ -467,7 +470,7 @@ DECLARED.metric(
         healthy="rising with pass@1, or at least not falling",
         better="up",
         references="Chen et al. 2021 (Codex); Yue et al. 2025 (arXiv 2504.13837); verl PR 7240",
-        task=True,
+        task="pass@k",
         variants=(
             custom("rollouts", ("correct",), _pass_k, dict([N, N_CORRECT]), empty_reason=_NO_K),
         ),
