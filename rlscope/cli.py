@@ -717,7 +717,8 @@ def compare(
         typer.Option(
             "--fail-on-regression",
             help="Exit 1 when a run is significantly worse than the baseline on a metric with "
-            "a direction (a CI gate: is the new run worse than main?).",
+            "a direction (task outcomes, error rates) or further from its healthy band (a CI "
+            "gate: is the new run worse than main?).",
         ),
     ] = False,
 ) -> None:
@@ -725,7 +726,9 @@ def compare(
     bootstrap interval, which run is healthier, overlaid curves, and findings per run.
 
     A difference is called out (better/worse) only when the 95% bootstrap interval of the
-    difference of final-window means excludes 0.
+    difference of final-window means excludes 0, and only for a metric with a direction (task
+    outcomes, error rates) or a healthy band (the run closer to it); others only differ. Each
+    run's verdict line leads with the task outcome (pass@1, pass@k, eval accuracy, reward).
 
     Examples:
 

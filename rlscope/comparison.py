@@ -43,9 +43,12 @@ class RunMetric:
     interval: tuple[float, float] | None = None
     # "better", "worse" (the interval excludes 0; by the metric's direction, or for a metric
     # with a healthy band by the distance to it), "noise" (it does not), "differs" (excludes 0,
-    # and neither a direction nor the band tells which is healthier), "" (baseline or no
-    # interval).
+    # and neither a direction nor the band tells which is healthier), "" (baseline, no
+    # interval, or `unlike`).
     verdict: str = ""
+    # The metric's scale_from fields (run.json) on which this run differs from the baseline:
+    # its value is on another scale (other reward weights), so it gets no verdict.
+    unlike: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class MetricComparison:
     summary: str  # one line: which run is healthier and why, or why none is called
     band: tuple[float | None, float | None] | None = None  # the healthy band, if declared
     task: str = ""  # a task outcome's short name: the verdict leads with it
+    scale_from: tuple[str, ...] = ()  # run.json fields that set its scale
 
 
 @dataclass(frozen=True)
@@ -83,29 +87,31 @@ class FindingRow:
 @dataclass(frozen=True)
 class TaskOutcome:
     """A task outcome metric (pass@1, pass@k, reward, eval accuracy) in one run against the
-    baseline: the two final-window values and the verdict."""
+    baseline: the two final-window values and the verdict ("worse", "better", "noise", or
+    "unlike": on another scale than the baseline's, not compared)."""
 
     metric: str
     baseline: float | None
     value: float | None
     verdict: str
+    name: str = ""  # the catalog's short name (the metric id when empty)
+    unlike: tuple[str, ...] = ()  # for "unlike": the run.json fields that differ
 
     def short(self) -> str:
-        name = TASK_NAMES.get(self.metric, self.metric)
-        values = [v for v in (self.baseline, self.value) if v is not None]
-        if len(values) < 2:
+        name = self.name or self.metric
+        if self.baseline is None or self.value is None:
             return name
         return f"{name} {self.baseline:.3g} → {self.value:.3g}"
 
+    def to_dict(self) -> dict[str, Any]:
+        return json_safe({**vars(self), "unlike": list(self.unlike)})
 
-#: How the verdict line names the task outcomes.
-TASK_NAMES = {
-    "signal.pass_at_1": "pass@1",
-    "signal.pass_at_k": "pass@k",
-    "signal.reward": "reward",
-    "generalization.eval_id": "eval ID accuracy",
-    "generalization.eval_ood": "eval OOD accuracy",
-}
+
+def leading(metrics: Iterable[MetricComparison]) -> list[MetricComparison]:
+    """The order of the verdicts and tables: task outcomes first — those measured against
+    correctness (pass@1, pass@k, eval accuracy), then those on a scale of the run's own (the
+    mean reward) — then every other metric, each in catalog order."""
+    return sorted(metrics, key=lambda m: (not m.task, bool(m.scale_from)))
 
 
 @dataclass(frozen=True)
@@ -128,15 +134,22 @@ class RunVerdict:
 
     def line(self) -> str:
         """`run 2 (lr) vs baseline: task outcome worse (pass@1 0.93 → 0.09); 2 other metrics
-        worse (a, b), 1 better (c); new findings: x (warn)` — the task outcome first."""
+        worse (a, b), 1 better (c), 4 differ (no direction or band says which is healthier);
+        new findings: x (warn)` — the task outcome first, whatever else is better. Worse and
+        better count only metrics with a direction or a healthy band (where it tells the runs
+        apart); the others that differ significantly are counted apart."""
         task_ids = {t.metric for t in self.task}
         head = []
         for verdict in ("worse", "better"):
             called = [t.short() for t in self.task if t.verdict == verdict]
             if called:
                 head.append(f"task outcome {verdict} ({', '.join(called)})")
-        if self.task and not head:
+        compared = [t for t in self.task if t.verdict != "unlike"]
+        if compared and not head:
             head.append("task outcome within noise")
+        for t in self.task:
+            if t.verdict == "unlike":
+                head.append(f"{t.name or t.metric} not compared ({', '.join(t.unlike)} differ)")
         worse = [m for m in self.worse if m not in task_ids]
         better = [m for m in self.better if m not in task_ids]
         other = "other metrics " if self.task else ""
@@ -144,7 +157,9 @@ class RunVerdict:
         if better:
             parts.append(f"{len(better)} better ({', '.join(better)})")
         if self.differs:
-            parts.append(f"{len(self.differs)} differ without a direction")
+            parts.append(
+                f"{len(self.differs)} differ (no direction or band says which is healthier)"
+            )
         text = f"run {self.index + 1} ({self.label}) vs baseline: "
         text += "; ".join([*head, ", ".join(parts)])
         if self.new_findings:
@@ -156,7 +171,7 @@ class RunVerdict:
             "run": self.index,
             "label": self.label,
             "regressed": self.regressed,
-            "task": [json_safe(vars(t)) for t in self.task],
+            "task": [t.to_dict() for t in self.task],
             "worse": list(self.worse),
             "better": list(self.better),
             "differs": list(self.differs),
@@ -181,12 +196,11 @@ class Comparison:
         for index in range(1, len(self.reports)):
 
             def named(verdict: str, i: int = index) -> tuple[str, ...]:
-                called = [
-                    m
-                    for m in self.metrics.values()
+                return tuple(
+                    m.id
+                    for m in leading(self.metrics.values())
                     if (run := m.runs[i]) is not None and run.verdict == verdict
-                ]
-                return tuple(m.id for m in sorted(called, key=lambda m: not m.task))
+                )
 
             base_findings = {f.id for f in self.reports[0].findings}
             new = tuple(
@@ -195,8 +209,15 @@ class Comparison:
                 if (severity := row.severities[index]) is not None and row.id not in base_findings
             )
             task = tuple(
-                TaskOutcome(m.id, base.value, run.value, run.verdict or "noise")
-                for m in self.metrics.values()
+                TaskOutcome(
+                    m.id,
+                    base.value,
+                    run.value,
+                    "unlike" if run.unlike else run.verdict or "noise",
+                    m.task,
+                    run.unlike,
+                )
+                for m in leading(self.metrics.values())
                 if m.task and (base := m.runs[0]) is not None and (run := m.runs[index]) is not None
             )
             label = self.labels[index]
@@ -245,7 +266,8 @@ class Comparison:
                     "title": m.title,
                     "better": m.better,
                     "band": list(m.band) if m.band is not None else None,
-                    "task": m.task,
+                    "task": m.task or None,
+                    "scale_from": list(m.scale_from),
                     "healthiest": m.healthiest,
                     "summary": m.summary,
                     "runs": [
@@ -277,6 +299,7 @@ def _run_metric_dict(run: RunMetric | None, missing: str | None) -> dict[str, An
             "delta": run.delta,
             "interval": list(run.interval) if run.interval else None,
             "verdict": run.verdict,
+            "unlike": list(run.unlike),
             "series": {"step": list(run.steps), "x": list(run.x), "value": list(run.values)},
         }
     )
@@ -329,6 +352,7 @@ def compare_reports(
         first = next(m for m in present if m is not None)
         better, band = first.better, first.band
         base = present[0]
+        base_meta = reports[0].run.meta
         runs: list[RunMetric | None] = []
         for index, result in enumerate(present):
             if result is None:
@@ -337,7 +361,11 @@ def compare_reports(
             x = _aligned(result.steps, reports[index], align)
             run = RunMetric(result.value, result.steps, x, result.values)
             if index > 0 and base is not None:
-                run = _versus(run, base.values, result.values, base.value, better, band)
+                meta = reports[index].run.meta
+                unlike = tuple(
+                    k for k in first.scale_from if not _same(meta.get(k), base_meta.get(k))
+                )
+                run = _versus(run, base.values, result.values, base.value, better, band, unlike)
             runs.append(run)
         missing = tuple(
             None if m is not None else skipped[i].get(metric_id, "not computed")
@@ -355,6 +383,7 @@ def compare_reports(
             summary,
             band,
             first.task,
+            first.scale_from,
         )
 
     finding_ids = list(dict.fromkeys(f.id for r in reports for f in r.findings))
@@ -372,6 +401,13 @@ def compare_reports(
             layer = worst.layer if worst else layer
         rows.append(FindingRow(finding_id, layer, tuple(severities), tuple(messages)))
     return Comparison(tuple(reports), run_labels(reports), align, compared, tuple(rows))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two run.json values are the same (a list in any order: reward functions)."""
+    if isinstance(a, list) and isinstance(b, list):
+        return sorted(map(str, a)) == sorted(map(str, b))
+    return bool(a == b)
 
 
 def run_labels(reports: Sequence[Report]) -> tuple[str, ...]:
@@ -418,11 +454,12 @@ def _versus(
     base_value: float | None,
     better: str,
     band: tuple[float | None, float | None] | None = None,
+    unlike: tuple[str, ...] = (),
 ) -> RunMetric:
     delta = run.value - base_value if run.value is not None and base_value is not None else None
     interval = bootstrap_difference(final_window(base_values), final_window(values))
     verdict = ""
-    if interval is not None:
+    if interval is not None and not unlike:
         low, high = interval
         scale = max((abs(v) for v in (*base_values, *values) if v is not None), default=0.0)
         if low <= 0 <= high or max(abs(low), abs(high)) <= FLOAT_TOLERANCE * scale:
@@ -432,7 +469,7 @@ def _versus(
             verdict = "better" if up == (better == "up") else "worse"
         else:
             verdict = _by_band(run.value, base_value, band)
-    return RunMetric(run.value, run.steps, run.x, run.values, delta, interval, verdict)
+    return RunMetric(run.value, run.steps, run.x, run.values, delta, interval, verdict, unlike)
 
 
 def _by_band(
@@ -458,6 +495,10 @@ def _healthiest(
     others = [(i, r) for i, r in enumerate(runs) if i > 0 and r is not None]
     if not others:
         return None, "no other run computes it"
+    unlike = sorted({k for _, r in others for k in r.unlike})
+    others = [(i, r) for i, r in others if not r.unlike]
+    if not others:
+        return None, f"not comparable: run.json {', '.join(unlike)} differ from the baseline's"
     if all(r.interval is None for _, r in others):
         return None, f"too few steps for an interval (< {MIN_WINDOW_POINTS})"
     why = (

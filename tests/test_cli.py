@@ -515,8 +515,8 @@ def test_compare_fits_80_columns_and_gates_on_regression(tmp_path: Path) -> None
     lines = shown.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
     assert lines[0].startswith("verdict: run 2 (synth-entropy-collapse) vs baseline: ")
-    assert lines[0].endswith("task outcome worse (reward ") and "new findings:" in shown.stdout
-    assert "pass@1 0.69 → 0.373" in shown.stdout
+    assert lines[0].endswith("task outcome worse (pass@1 ") and "new findings:" in shown.stdout
+    assert "0.69 → 0.373, pass@k 0.958 → 0.806, reward 0.69 → 0.373" in lines[1]
     for metric_id in ("behavior.entropy", "signal.pass_at_k", "behavior.response_len_incorrect"):
         assert f"│ {metric_id}  healthier:" in shown.stdout, metric_id
     gate = rlscope("compare", base, new, "--metrics", "L3", "--fail-on-regression")
@@ -529,6 +529,6 @@ def test_compare_fits_80_columns_and_gates_on_regression(tmp_path: Path) -> None
     doc = json.loads(rlscope("compare", base, new, "--metrics", "L2,L3", "-f", "json").stdout)
     (verdict,) = doc["verdicts"]
     assert verdict["run"] == 1 and verdict["regressed"] is True
-    assert verdict["worse"][:2] == ["signal.reward", "signal.pass_at_1"]
+    assert verdict["worse"] == ["signal.pass_at_1", "signal.pass_at_k", "signal.reward"]
     assert "behavior.entropy" in verdict["differs"]
     assert {"id": "entropy-collapse", "severity": "critical"} in verdict["new_findings"]

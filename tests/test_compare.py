@@ -16,9 +16,11 @@ from rlscope.comparison import (
     compare,
     compare_reports,
     final_window,
+    leading,
 )
 from rlscope.errors import RlscopeError
 from rlscope.render.compare import aligned_sparklines
+from rlscope.report import Report
 
 ROOT = Path(__file__).resolve().parent.parent
 HEALTHY = ROOT / "sample_logs" / "healthy"
@@ -129,7 +131,11 @@ def test_cli_compare_text_and_json() -> None:
     done = rlscope("compare", str(HEALTHY), str(COLLAPSE))
     assert done.returncode == 0, done.stderr
     assert "behavior.entropy" in done.stdout and "▼ worse" in done.stdout
-    assert "task outcome worse (reward" in done.stdout
+    assert "task outcome worse (pass@1" in done.stdout
+    # The task outcome's panel comes before the layers', its rows out of L3's.
+    task_panel, layers = done.stdout.split("─ Task outcome ─", 1)[1].split("─ L1 ", 1)
+    assert "signal.pass_at_1" in task_panel and "signal.reward " in task_panel
+    assert "signal.pass_at_1" not in layers and "signal.group_std" in layers
     assert "only synth-entropy-collapse" in done.stdout
     assert "bootstrap" in done.stdout
     done = rlscope(
@@ -190,7 +196,8 @@ def test_a_band_judges_by_distance_and_neither_direction_nor_band_only_differs()
 
 def test_the_verdict_line_leads_with_the_task_outcome() -> None:
     """Whatever else is better, a worse task outcome comes first, with its values; the other
-    metrics follow as `other metrics`; JSON has the task entries."""
+    metrics follow as `other metrics`; the differing ones are said to have no direction or
+    band that tells; JSON has the task entries."""
     from rlscope.comparison import RunVerdict, TaskOutcome
 
     verdict = RunVerdict(
@@ -201,27 +208,139 @@ def test_the_verdict_line_leads_with_the_task_outcome() -> None:
         ("behavior.entropy",),
         (("kl-high", "critical"),),
         (
-            TaskOutcome("signal.pass_at_1", 0.93, 0.09, "worse"),
-            TaskOutcome("signal.reward", 1.0, 1.2, "better"),
-            TaskOutcome("signal.pass_at_k", 0.99, 0.98, "noise"),
+            TaskOutcome("signal.pass_at_1", 0.93, 0.09, "worse", "pass@1"),
+            TaskOutcome("signal.pass_at_k", 0.99, 0.98, "noise", "pass@k"),
+            TaskOutcome("signal.reward", 1.0, 1.2, "better", "reward"),
         ),
     )
     assert verdict.line() == (
         "run 2 (lr) vs baseline: task outcome worse (pass@1 0.93 → 0.09); task outcome better "
         "(reward 1 → 1.2); 1 other metrics worse (signal.zero_std_frac), 1 better "
-        "(behavior.format_ok), 1 differ without a direction; new findings: kl-high (critical)"
+        "(behavior.format_ok), 1 differ (no direction or band says which is healthier); new "
+        "findings: kl-high (critical)"
     )
     assert verdict.regressed
     assert verdict.to_dict()["task"][0] == {
         "metric": "signal.pass_at_1",
+        "name": "pass@1",
         "baseline": 0.93,
         "value": 0.09,
         "verdict": "worse",
+        "unlike": [],
     }
     quiet = RunVerdict(
-        1, "b", (), (), (), (), (TaskOutcome("signal.pass_at_1", 0.5, 0.5, "noise"),)
+        1, "b", (), (), (), (), (TaskOutcome("signal.pass_at_1", 0.5, 0.5, "noise", "pass@1"),)
     )
     assert quiet.line() == "run 2 (b) vs baseline: task outcome within noise; 0 other metrics worse"
+
+
+def _run(
+    run_id: str, meta: dict[str, Any] | None = None, **series: tuple[list[float], dict]
+) -> Report:
+    """A hand-made report: per metric id, its per-step values and MetricResult fields."""
+    from rlscope.report import MetricResult, Report, RunInfo
+
+    metrics = {}
+    for key, (values, fields) in series.items():
+        metric_id = key.replace("__", ".")
+        window = final_window(values)
+        steps = tuple(range(1, len(values) + 1))
+        value = sum(window) / len(window)
+        metrics[metric_id] = MetricResult(metric_id, "L3", metric_id, value, steps, tuple(values))
+        metrics[metric_id] = MetricResult(**{**vars(metrics[metric_id]), **fields})
+    info = RunInfo("p", run_id, "GRPO", 6, 1, 6, 48, 6, 0, ("rollouts",), meta=meta or {})
+    return Report(info, metrics, (), ())
+
+
+def _flat(level: float) -> list[float]:
+    return [level + d for d in (0.01, -0.01, 0.0, 0.01, -0.01, 0.0)]
+
+
+PASS = {"better": "up", "task": "pass@1"}
+REWARD = {"better": "up", "task": "reward", "scale_from": ("reward_components", "reward_weights")}
+WEIGHTS = {"reward_components": ["acc", "fmt"], "reward_weights": {"acc": 1.0, "fmt": 1.0}}
+
+
+def test_task_outcomes_lead_the_verdict_pass_at_1_before_the_reward() -> None:
+    """A collapsed task with a higher entropy, a lower truncation rate and a zero-σ share back
+    inside its band: the task outcome comes first (pass@1 before the reward, whose scale is
+    the run's own, although the catalog declares the reward first); truncation (an error rate)
+    and the band metric are better, entropy (neither) only differs; a regression."""
+    base = _run(
+        "base",
+        WEIGHTS,
+        signal__reward=(_flat(1.2), REWARD),
+        signal__pass_at_1=(_flat(0.9), PASS),
+        signal__zero_std_frac=(_flat(0.6), {"band": (0.0, 0.5)}),
+        behavior__entropy=(_flat(0.3), {}),
+        behavior__truncation_rate=(_flat(0.04), {"better": "down", "band": (0.0, 0.05)}),
+    )
+    broken = _run(
+        "broken",
+        WEIGHTS,
+        signal__reward=(_flat(0.3), REWARD),
+        signal__pass_at_1=(_flat(0.1), PASS),
+        signal__zero_std_frac=(_flat(0.45), {"band": (0.0, 0.5)}),
+        behavior__entropy=(_flat(0.7), {}),
+        behavior__truncation_rate=(_flat(0.02), {"better": "down", "band": (0.0, 0.05)}),
+    )
+    comparison = compare_reports([base, broken])
+    (verdict,) = comparison.verdicts()
+    assert verdict.worse == ("signal.pass_at_1", "signal.reward")
+    assert verdict.better == ("behavior.truncation_rate", "signal.zero_std_frac")
+    assert verdict.differs == ("behavior.entropy",)
+    assert verdict.line() == (
+        "run 2 (broken) vs baseline: task outcome worse (pass@1 0.9 → 0.1, reward 1.2 → 0.3); 0 "
+        "other metrics worse, 2 better (behavior.truncation_rate, signal.zero_std_frac), 1 differ "
+        "(no direction or band says which is healthier)"
+    )
+    assert verdict.regressed
+    assert [m.id for m in leading(comparison.metrics.values())][:2] == [
+        "signal.pass_at_1",
+        "signal.reward",
+    ]
+    # The same runs the other way round: the task outcome better leads, nothing worse.
+    (back,) = compare_reports([broken, base]).verdicts()
+    assert back.line().startswith(
+        "run 2 (base) vs baseline: task outcome better (pass@1 0.1 → 0.9, reward 0.3 → 1.2); 2 "
+        "other metrics worse (behavior.truncation_rate, signal.zero_std_frac)"
+    )
+
+
+def test_the_reward_is_not_compared_between_runs_with_other_reward_weights() -> None:
+    """The mean reward's scale is the run's reward functions and weights: another weighting is
+    not compared (no verdict, not a regression), the same functions listed in another order
+    are; pass@1 is compared either way."""
+    weighted = {**WEIGHTS, "reward_weights": {"acc": 0.125, "fmt": 4.0}}
+    base = _run(
+        "base", WEIGHTS, signal__reward=(_flat(1.2), REWARD), signal__pass_at_1=(_flat(0.9), PASS)
+    )
+    other = _run(
+        "weighted",
+        weighted,
+        signal__reward=(_flat(1.1), REWARD),
+        signal__pass_at_1=(_flat(0.9), PASS),
+    )
+    comparison = compare_reports([base, other])
+    reward = comparison.metrics["signal.reward"]
+    run = reward.runs[1]
+    assert run is not None and run.verdict == "" and run.unlike == ("reward_weights",)
+    assert run.delta == pytest.approx(-0.1) and run.interval is not None
+    assert reward.healthiest is None
+    assert reward.summary == "not comparable: run.json reward_weights differ from the baseline's"
+    (verdict,) = comparison.verdicts()
+    assert not verdict.regressed and "signal.reward" not in verdict.differs
+    assert verdict.line() == (
+        "run 2 (weighted) vs baseline: task outcome within noise; reward not compared "
+        "(reward_weights differ); 0 other metrics worse"
+    )
+    assert verdict.to_dict()["task"][1]["verdict"] == "unlike"
+    assert json.loads(json.dumps(comparison.to_dict()))["metrics"]["signal.reward"]["runs"][1][
+        "unlike"
+    ] == ["reward_weights"]
+    reordered = {**WEIGHTS, "reward_components": ["fmt", "acc"]}
+    same = _run("same", reordered, signal__reward=(_flat(1.1), REWARD))
+    assert compare_reports([base, same]).metrics["signal.reward"].runs[1].verdict == "worse"
 
 
 FIXTURES = ROOT.parent / "shared" / "fixtures" / "trl-real"
@@ -229,36 +348,44 @@ FIXTURES = ROOT.parent / "shared" / "fixtures" / "trl-real"
 
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason="../shared/fixtures/trl-real is absent")
 def test_compare_on_genuine_trl_runs_leads_with_the_task(tmp_path: Path) -> None:
-    """lr-too-high against healthy (genuine TRL runs): the verdict leads with the collapse of
-    the task (reward, pass@1, pass@k worse), and higher entropy, diversity or a lower grad
-    norm are never called better. format-weighted-groupnorm against healthy: the task outcome
-    a little worse at the end (pass@1 0.926 → 0.895), better formatted."""
-    options = {"correct_column": "accuracy_reward"}
+    """lr-too-high against healthy (genuine TRL runs, imported as `--from trl` does): the
+    verdict leads with the collapse of the task (pass@1, pass@k, reward worse), and higher
+    entropy, diversity or a lower grad norm are never called better. format-weighted-groupnorm
+    against healthy: pass@1 a little worse at the end (0.926 → 0.895, the fixture README's last
+    10%), better formatted, and its reward not compared: TRL's reward_weights [0.125, 4.0]
+    against [1, 1] put the mean reward on another scale."""
+
+    def imported(name: str) -> Report:
+        return analyze(FIXTURES / name, from_format="trl", cache_dir=tmp_path)
+
+    healthy = imported("healthy")
 
     def against_healthy(name: str) -> Any:
-        return compare(
-            [FIXTURES / "healthy", FIXTURES / name],
-            from_format="trl",
-            import_options=options,
-        ).verdicts()[0]
+        (verdict,) = compare_reports([healthy, imported(name)]).verdicts()
+        return verdict
 
     broken = against_healthy("lr-too-high")
-    assert broken.line().startswith(
-        "run 2 (lr-too-high) vs baseline: task outcome worse (reward 1.17 → 0.343, pass@1 "
-        "0.926 → 0.0938, pass@k 1 → 0.25)"
+    assert broken.line() == (
+        "run 2 (lr-too-high) vs baseline: task outcome worse (pass@1 0.926 → 0.0938, pass@k 1 → "
+        "0.25, reward 1.17 → 0.343); 3 other metrics worse (signal.zero_std_frac, "
+        "signal.effective_prompt_frac, reasoning.maj_at_n_first), 3 better "
+        "(behavior.truncation_rate, behavior.len_correct_corr, behavior.format_ok), 21 differ (no "
+        "direction or band says which is healthier); new findings: kl-high (critical), grad-spike "
+        "(warn), dead-prompts (warn)"
     )
-    assert broken.worse[:3] == ("signal.reward", "signal.pass_at_1", "signal.pass_at_k")
+    assert broken.worse[:3] == ("signal.pass_at_1", "signal.pass_at_k", "signal.reward")
     for band_like in ("behavior.entropy", "exploration.pairwise_diversity", "stability.grad_norm"):
         assert band_like not in broken.better and band_like in broken.differs
-    assert broken.better == (
-        "behavior.truncation_rate",
-        "behavior.len_correct_corr",
-        "behavior.format_ok",
-    )
+    assert broken.regressed
     weighted = against_healthy("format-weighted-groupnorm")
-    assert [(t.metric, t.verdict) for t in weighted.task] == [
-        ("signal.reward", "worse"),
-        ("signal.pass_at_1", "worse"),
-        ("signal.pass_at_k", "noise"),
+    assert weighted.line() == (
+        "run 2 (format-weighted-groupnorm) vs baseline: task outcome worse (pass@1 0.926 → "
+        "0.895); reward not compared (reward_weights differ); 0 other metrics worse, 1 better "
+        "(behavior.format_ok), 5 differ (no direction or band says which is healthier)"
+    )
+    assert [(t.metric, t.verdict, t.unlike) for t in weighted.task] == [
+        ("signal.pass_at_1", "worse", ()),
+        ("signal.pass_at_k", "noise", ()),
+        ("signal.reward", "unlike", ("reward_weights",)),
     ]
-    assert weighted.better == ("behavior.format_ok",)
+    assert weighted.worse == ("signal.pass_at_1",) and weighted.better == ("behavior.format_ok",)

@@ -16,6 +16,7 @@ from rlscope.comparison import (
     MIN_WINDOW_POINTS,
     Comparison,
     MetricComparison,
+    leading,
 )
 from rlscope.render.sanitize import safe_text
 from rlscope.render.terminal import (
@@ -79,6 +80,8 @@ def _run_cell(metric: MetricComparison, index: int, curve: str) -> Text:
     text = Text(format_value(run.value))
     if run.verdict:
         text.append(" " + VERDICT_MARK[run.verdict], style=VERDICT_STYLE[run.verdict])
+    elif run.unlike:
+        text.append(" not compared", style="dim")
     if index > 0 and run.delta is not None:
         text.append(f"\nΔ {run.delta:+.3g}")
         if run.interval is not None:
@@ -94,6 +97,8 @@ def _healthier(metric: MetricComparison) -> Text:
         return Text("— (no direction)", style="dim")
     if metric.healthiest is None:
         short = "≈ noise" if metric.summary == "within run-to-run noise" else "n/a"
+        if metric.summary.startswith("not comparable"):
+            short = "other scale"
         return Text(f"{short} {arrow}", style="dim")
     who = "baseline" if metric.healthiest == 0 else f"run {metric.healthiest + 1}"
     return Text(f"{who} {arrow}", style="bold")
@@ -103,13 +108,12 @@ def _cell_width(metric: MetricComparison, index: int) -> int:
     return max(len(line) for line in _run_cell(metric, index, "").plain.split("\n"))
 
 
-def _layer_panel(comparison: Comparison, layer: str, width: int) -> Panel | None:
+def _metrics_panel(
+    comparison: Comparison, metrics: Sequence[MetricComparison], title: str, width: int
+) -> Panel | None:
     """A table with a column per run; when the metric ids, the cells and the verdicts do not
     fit side by side, each metric is a line (id and which run is healthier) over its cells, so
     that nothing is ever cut."""
-    metrics = sorted(
-        (m for m in comparison.metrics.values() if m.layer == layer), key=lambda m: not m.task
-    )
     if not metrics:
         return None
     runs = range(len(comparison.reports))
@@ -148,7 +152,7 @@ def _layer_panel(comparison: Comparison, layer: str, width: int) -> Panel | None
     else:
         names = "  ".join("baseline" if i == 0 else f"run {i + 1}" for i in runs)
         body.insert(0, Text(f"columns: {names}", style="dim"))
-    return Panel(Group(*body), title=f"{layer} {LAYERS.get(layer, layer)}", title_align="left")
+    return Panel(Group(*body), title=title, title_align="left")
 
 
 def _findings_panel(comparison: Comparison) -> Panel:
@@ -197,10 +201,13 @@ def render_comparison(comparison: Comparison, console: Console) -> None:
         *verdict_lines(comparison),
         Panel(grid, title="rlscope compare", title_align="left"),
     ]
-    for layer in LAYERS:
-        panel = _layer_panel(comparison, layer, console.width)
-        if panel is not None:
-            parts.append(panel)
+    ordered = leading(comparison.metrics.values())
+    task = [m for m in ordered if m.task]
+    panels = [_metrics_panel(comparison, task, "Task outcome", console.width)]
+    for layer, name in LAYERS.items():
+        metrics = [m for m in ordered if m.layer == layer and not m.task]
+        panels.append(_metrics_panel(comparison, metrics, f"{layer} {name}", console.width))
+    parts.extend(p for p in panels if p is not None)
     parts.append(_findings_panel(comparison))
     parts.append(
         Text(
@@ -208,7 +215,8 @@ def render_comparison(comparison: Comparison, console: Console) -> None:
             "interval of the difference over each run's final-window steps (last 10%, at least "
             f"{MIN_WINDOW_POINTS}); ▲/▼ only when it excludes 0, by the metric's direction "
             "(task outcomes, error rates) or its distance to a healthy band; ≠ where neither "
-            "says. Curves share each metric's x range and y scale.",
+            "says; not compared where run.json puts the runs on other scales (the reward's "
+            "weights). Curves share each metric's x range and y scale.",
             style="dim",
         )
     )

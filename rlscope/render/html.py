@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlscope._version import __version__
-from rlscope.comparison import Comparison, compare_reports, run_labels
+from rlscope.comparison import Comparison, compare_reports, leading, run_labels
 from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.plots import PlotData, plot_data
@@ -488,10 +488,12 @@ def _compare_table(comparison: Comparison) -> str:
                     text += f" [{run.interval[0]:+.3g}, {run.interval[1]:+.3g}]"
                 if run.verdict:
                     text += f" {_e(run.verdict)}"
+                elif run.unlike:
+                    text += f" not compared ({_e(', '.join(run.unlike))} differ)"
             cells.append(f"<td class='{_e(run.verdict)}'>{text}</td>")
         return f"<tr><td><code>{_e(metric.id)}</code></td>{''.join(cells)}</tr>"
 
-    ordered = sorted(comparison.metrics.values(), key=lambda m: not m.task)  # task first
+    ordered = leading(comparison.metrics.values())  # task outcomes first
     called = [
         m
         for m in ordered
@@ -517,7 +519,8 @@ def _compare_table(comparison: Comparison) -> str:
     return out + (
         "<p class='dim'>Δ = value − baseline (final-window means); [a, b] = 95% bootstrap interval "
         "of the difference; worse/better only when it excludes 0, by the metric's direction "
-        "(task outcomes, first; error rates) or its distance to a healthy band.</p>"
+        "(task outcomes, first; error rates) or its distance to a healthy band; not compared "
+        "where run.json puts the runs on other scales (the reward's weights).</p>"
     )
 
 
