@@ -181,6 +181,9 @@ def test_a_band_judges_by_distance_and_neither_direction_nor_band_only_differs()
     assert versus([0.8, 0.81, 0.79, 0.8, 0.8, 0.8], bounds=None) == "differs"
     assert versus([0.45, 0.46, 0.44, 0.45, 0.46, 0.45], bounds=(0.0, 1.0)) == "differs"
     assert versus([0.45, 0.46, 0.44, 0.45, 0.46, 0.45], "down", (0.0, 1.0)) == "better"
+    # Across the band: 0.1 below (0.2, 0.4) is nearer than the baseline's 0.2 above it.
+    assert versus([0.1, 0.11, 0.09, 0.1, 0.1, 0.1], bounds=(0.2, 0.4)) == "better"
+    assert versus([0.1, 0.11, 0.09, 0.1, 0.1, 0.1], bounds=(0.35, 0.55)) == "worse"
     closer = RunMetric(0.45, (0,), (0.0,), (0.45,), -0.15, (-0.17, -0.13), "better")
     further = RunMetric(0.8, (0,), (0.0,), (0.8,), 0.2, (0.18, 0.22), "worse")
     baseline = RunMetric(0.6, (0,), (0.0,), (0.6,))
