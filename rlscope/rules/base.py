@@ -69,16 +69,20 @@ class Windows:
 def compare_windows(series: Series, fraction: float = TREND_FRACTION) -> Windows:
     """First vs last window (each `fraction` of the steps, >= 3): delta and a z-score whose noise
     is the step-to-step scatter within each window (so it holds at any batch size)."""
-    n = len(series)
-    w = window_size(n, fraction)
+    w = window_size(len(series), fraction)
     a, b = series.values[:w], series.values[-w:]
     se = math.sqrt(_var(a) / len(a) + _var(b) / len(b))
-    delta = float(b.mean() - a.mean())
+    return _windows(float(a.mean()), float(b.mean()), se, series.steps, w)
+
+
+def _windows(first: float, last: float, se: float, steps: Any, w: int) -> Windows:
+    """The Windows of two window means and the standard error of their difference (`steps`:
+    the series' steps, each window `w` of them)."""
+    delta = last - first
     z = delta / se if se > 0 else (math.inf if delta > 0 else -math.inf if delta < 0 else 0.0)
-    steps = series.steps
     return Windows(
-        float(a.mean()),
-        float(b.mean()),
+        first,
+        last,
         delta,
         z,
         (int(steps[0]), int(steps[w - 1])),
@@ -119,19 +123,7 @@ def compare_pooled_windows(
         spread = max(float(squares.sum()) / total - mean**2, 0.0) * total / max(total - 1, 1)
         means.append(mean)
         ses.append(math.sqrt(spread / total))
-    se = math.sqrt(ses[0] ** 2 + ses[1] ** 2)
-    delta = means[1] - means[0]
-    z = delta / se if se > 0 else (math.inf if delta > 0 else -math.inf if delta < 0 else 0.0)
-    steps = rows["step"].to_list()
-    return Windows(
-        means[0],
-        means[1],
-        delta,
-        z,
-        (int(steps[0]), int(steps[w - 1])),
-        (int(steps[-w]), int(steps[-1])),
-        se,
-    )
+    return _windows(means[0], means[1], math.hypot(*ses), rows["step"].to_list(), w)
 
 
 def pass_at_1_trend(
