@@ -68,11 +68,24 @@ class Windows:
 
 def compare_windows(series: Series, fraction: float = TREND_FRACTION) -> Windows:
     """First vs last window (each `fraction` of the steps, >= 3): delta and a z-score whose noise
-    is the step-to-step scatter within each window (so it holds at any batch size)."""
+    is the step-to-step scatter (so it holds at any batch size): within each window, and never
+    less than the whole series' (`step_noise`): three values can sit close by chance, and a
+    window of them judged on its own spread would make noise significant."""
     w = window_size(len(series), fraction)
     a, b = series.values[:w], series.values[-w:]
-    se = math.sqrt(_var(a) / len(a) + _var(b) / len(b))
+    floor = step_noise(series.values) ** 2
+    se = math.sqrt(max(_var(a), floor) / len(a) + max(_var(b), floor) / len(b))
     return _windows(float(a.mean()), float(b.mean()), se, series.steps, w)
+
+
+def step_noise(values: np.ndarray) -> float:
+    """A series' step-to-step noise (standard deviation) from its successive differences (von
+    Neumann's mean square successive difference, Σ(x[t] − x[t−1])² / 2(n − 1)): a smooth trend
+    or a single level shift hardly moves it, unlike the spread around the mean. 0 with < 3
+    values."""
+    if len(values) < 3:
+        return 0.0
+    return math.sqrt(float(np.mean(np.diff(values) ** 2)) / 2.0)
 
 
 def _windows(first: float, last: float, se: float, steps: Any, w: int) -> Windows:

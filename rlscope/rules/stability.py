@@ -16,9 +16,11 @@ from rlscope.rules.base import (
     compare_windows,
     final_level,
     final_mean,
+    final_se,
     final_steps,
     pass_at_1_trend,
     pct,
+    step_noise,
 )
 from rlscope.spec import Declarations, Finding, Param, Severity
 from rlscope.windows import window_size
@@ -29,7 +31,7 @@ DECLARED = Declarations()
 
 @DECLARED.rule(
     "kl-stalled",
-    brief="KL ~0 at the end and pass@1 not improving",
+    brief="KL surely ~0 at the end (final window + 2 SE < 1e-3) and pass@1 not improving",
     layer="L1",
     title="KL to the reference stays ~0 and the policy is not improving",
     doc="The policy has barely moved from the reference model (final-window token-mean KL "
@@ -40,27 +42,34 @@ DECLARED = Declarations()
     "frozen/detached policy (seed §2: KL too low = nothing new learned). A KL that is exactly 0 "
     "at every step was not measured (verl >= 0.7 logs actor/kl_loss = 0.0 with the KL loss "
     "off): the rule stays silent rather than read it as evidence. The improvement test uses "
-    "the windows' step-to-step scatter, so it holds at any batch size and run length.",
+    "the windows' step-to-step scatter, so it holds at any batch size and run length. The KL "
+    "must be surely ~0, not merely small: its final window plus two standard errors is below "
+    "`kl_max`, so a KL of a few thousandths moving in its own noise is not read as ~0. And it "
+    "is judged from `min_steps` steps: every run's KL starts at 0 and grows with the square of "
+    "the distance the weights have moved (more slowly under a learning-rate warm-up), so the "
+    "first steps of any healthy run look stalled.",
     remedy="check the effective learning rate and that gradients reach the policy; check "
     "signal.zero_std_frac; lower the KL coefficient (β) or raise the clip range.",
     metrics=("stability.kl", "signal.pass_at_1"),
     params={
-        "kl_max": Param(1e-3, "final-window KL (nats/token) below which KL counts as ~0"),
+        "kl_max": Param(1e-3, "final-window KL (nats/token) surely below which KL counts as ~0"),
         "z": Param(2.0, "a pass@1 rise with z-score above this counts as improvement"),
-        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge a trend"),
+        "min_steps": Param(20, "fewest steps to judge (the KL of every run's first steps is ~0)"),
     },
 )
 def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
     kl = ctx.series("stability.kl")
-    progress = ctx.series("signal.pass_at_1") or ctx.series("signal.reward")
+    accuracy = ctx.series("signal.pass_at_1")
+    progress = accuracy or ctx.series("signal.reward")
     p = ctx.params
     if kl is None or progress is None or min(len(kl), len(progress)) < p["min_steps"]:
         return
     if not np.any(kl.values != 0):
         return  # exactly 0 at every step: a disabled KL loss logging 0.0, not a measured KL
     level = final_mean(kl)
-    trend = compare_windows(progress)
-    if level < p["kl_max"] and trend.z < p["z"]:
+    trend = (pass_at_1_trend(ctx) if accuracy is not None else None) or compare_windows(progress)
+    stalled = level + 2 * final_se(kl) < p["kl_max"]
+    if stalled and trend.z < p["z"]:
         yield ctx.finding(
             f"KL to the reference is {level:.2g} nats/token at the end and pass@1 moved "
             f"{trend.delta:+.3f} (z = {trend.z:.1f}): the policy is not learning.",
@@ -82,14 +91,21 @@ def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
     "growth stay silent). The policy is drifting away from the base model, which usually ends "
     "in lost general ability, reward hacking or divergence (seed §2: the KL's absolute value "
     "has no standard, the *shape* of its curve tells). Ratios of the run's own thirds, so they "
-    "hold at any run length and KL scale; thirds average many steps, which absorbs the noise "
-    "of small batches.",
+    "hold at any run length and KL scale. A ratio of thirds of a KL that sits in its noise is "
+    "not a shape: the last third's rise must also be `z` standard errors above the middle "
+    "third's (each third's standard error from its step-to-step scatter, never below the "
+    "series' own, see compare_windows), and the last third must reach `min_level`: below "
+    "0.01 nats/token the policy gives its own tokens on average within 1% of the reference's "
+    "log-probability, a drift whose curve shape says nothing yet (k1 estimates of such a KL "
+    "even go negative).",
     remedy="raise the KL coefficient (β) or add a KL loss; lower the learning rate; check the "
     "reward for hacking (inspect the highest-reward rollouts of the last steps).",
     metrics=("stability.kl",),
     params={
         "growth_ratio": Param(2.5, "last-third mean KL / middle-third mean KL"),
         "accel_ratio": Param(2.5, "last-third increase / middle-third increase"),
+        "min_level": Param(0.01, "last-third mean KL (nats/token) below which no shape counts"),
+        "z": Param(3.0, "z-score of the last third's rise over the middle third's"),
         "min_steps": Param(12, "fewest steps to judge the shape"),
     },
     severity="critical",
@@ -101,11 +117,14 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
         return
     thirds = np.array_split(kl.values, 3)
     k1, k2, k3 = (float(t.mean()) for t in thirds)
-    if k2 <= 0 or k3 <= 0:
+    if k2 <= 0 or k3 < p["min_level"]:
         return
     rise_mid, rise_last = k2 - k1, k3 - k2
     accelerating = rise_last >= p["accel_ratio"] * max(rise_mid, 0.0)
-    if k3 >= p["growth_ratio"] * k2 and accelerating:
+    noise = step_noise(kl.values) ** 2
+    se = math.sqrt(sum(max(float(np.var(t, ddof=1)), noise) / len(t) for t in thirds[1:]))
+    beyond_noise = rise_last > p["z"] * se
+    if k3 >= p["growth_ratio"] * k2 and accelerating and beyond_noise:
         yield ctx.finding(
             f"KL is accelerating: mean {k1:.3g} → {k2:.3g} → {k3:.3g} nats/token over the three "
             f"thirds of the run (×{k3 / k2:.1f} in the last third).",
