@@ -521,6 +521,53 @@ def compute(
     return computed
 
 
+def upto(
+    computed: Computed,
+    last_step: int,
+    metric_ids: Iterable[str],
+    available: Mapping[str, Metric],
+) -> Computed:
+    """`computed` as `--steps :last_step` gives it, for the metrics `metric_ids` (of
+    `available`, the catalog's metrics for the run): their series and frames cut after
+    `last_step`, their summaries and extras recomputed; the aggregates cut too. Every series is
+    a function of its own step's rows, so this is what a fresh analysis of the prefix computes,
+    without reading the run again (tests/test_prefix.py holds it to that)."""
+    results: dict[str, MetricResult] = {}
+    frames: dict[str, pl.DataFrame] = {}
+    for metric_id in metric_ids:
+        result, frame = computed.results.get(metric_id), computed.frames.get(metric_id)
+        if result is None or frame is None or metric_id not in available:
+            continue
+        frame = frame.filter(pl.col("step") <= last_step)
+        values = _floats(frame["value"])
+        if not any(v is not None for v in values):
+            continue
+        logged = result.logged
+        if logged is not None:
+            kept = [i for i, s in enumerate(logged.steps) if s <= last_step]
+            cut = tuple(logged.values[i] for i in kept)
+            logged = Logged(
+                logged.column,
+                final_window_mean(list(cut)),
+                tuple(logged.steps[i] for i in kept),
+                cut,
+            )
+        results[metric_id] = replace(
+            result,
+            value=final_window_mean(values),
+            steps=tuple(int(s) for s in frame["step"].to_list()),
+            values=tuple(values),
+            extra=_extra(available[metric_id], frame, computed.context),
+            logged=logged,
+        )
+        frames[metric_id] = frame
+    aggregates = {
+        key: frame.filter(pl.col("step") <= last_step) if "step" in frame.columns else frame
+        for key, frame in computed.aggregates.items()
+    }
+    return replace(computed, results=results, frames=frames, aggregates=aggregates)
+
+
 @dataclass(frozen=True)
 class RolloutSeries:
     """The series of the rollouts table's two levels, per group (GROUP_LEVEL) and per rollout

@@ -1,17 +1,23 @@
-"""Runs every enabled rule of the catalog over computed metrics: the findings of a run."""
+"""Runs every enabled rule of the catalog over computed metrics: the findings of a run, each
+with its onset, filed under the findings that explain it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 
 from rlscope._version import __version__
 from rlscope.catalog import Catalog, default_catalog
 from rlscope.config import Config
-from rlscope.engine import Computed
+from rlscope.engine import Computed, upto
 from rlscope.report import Skipped
 from rlscope.rules.base import RuleContext
-from rlscope.spec import Finding, severity_rank
+from rlscope.spec import Finding, Rule, severity_rank
+
+#: Prefixes judged on a grid before bisecting (onsets): a rule is judged about
+#: ONSET_GRID + log2(steps / ONSET_GRID) times per finding, whatever the run length.
+ONSET_GRID = 32
 
 
 @dataclass(frozen=True)
@@ -26,41 +32,34 @@ class Evaluation:
     warnings: list[str]
 
 
-def evaluate(computed: Computed, config: Config, catalog: Catalog | None = None) -> Evaluation:
+def evaluate(
+    computed: Computed,
+    config: Config,
+    catalog: Catalog | None = None,
+    *,
+    with_onsets: bool = True,
+) -> Evaluation:
     """Run every enabled rule of the catalog (rlscope's own by default); a rule whose metrics
     are all missing is reported as skipped. A rule that raises is rlscope's bug, never the end
     of the analysis: it is reported as skipped (`failed`) with the error, and a warning asks
-    for a report; the other rules judge as usual."""
+    for a report; the other rules judge as usual. Each finding gets its onset (`onsets`;
+    not `with_onsets`: none, hence no causes either) and the findings that explain it
+    (`file_causes`), roots first."""
+    catalog = catalog or default_catalog()
     findings: list[Finding] = []
     skipped: list[Skipped] = []
     warnings: list[str] = []
     judged: set[str] = set()
-    for rule in (catalog or default_catalog()).rules.values():
-        override = config.findings.get(rule.id, {})
-        if override.get("enabled", True) is False:
+    for rule in catalog.rules.values():
+        if config.findings.get(rule.id, {}).get("enabled", True) is False:
             continue
-        reads = [
-            m for m in computed.results if any(fnmatchcase(m, pattern) for pattern in rule.metrics)
-        ]
+        reads = _reads(rule, computed)
         if not reads:
             reason = "needs " + " or ".join(rule.metrics)
             skipped.append(Skipped(rule.id, reason, rule.layer, "finding"))
             continue
-        params = {
-            name: float(override.get(name, param.default)) for name, param in rule.params.items()
-        }
-        severity = override.get("severity")
-        ctx = RuleContext(
-            rule,
-            params,
-            severity,
-            computed.results,
-            computed.frames,
-            computed.aggregates,
-            computed.context.run.meta,
-        )
         try:
-            findings.extend(list(rule.check(ctx)))
+            found = judge(rule, computed, config)
         except Exception as exc:  # one rule's bug must not end the analysis
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             skipped.append(
@@ -71,8 +70,142 @@ def evaluate(computed: Computed, config: Config, catalog: Catalog | None = None)
                 f"stand. Please report it (rlscope {__version__}, with `--format json` output)"
             )
             continue
+        if found and with_onsets:
+            found = onsets(rule, found, computed, config, catalog)
+        findings.extend(found)
         judged.update(reads)
-    findings.sort(key=lambda f: (-severity_rank(f.severity), f.layer, f.id))
     return Evaluation(
-        findings, skipped, tuple(m for m in computed.results if m in judged), warnings
+        file_causes(findings, catalog.rules),
+        skipped,
+        tuple(m for m in computed.results if m in judged),
+        warnings,
     )
+
+
+def evaluate_prefix(
+    computed: Computed,
+    last_step: int,
+    config: Config,
+    catalog: Catalog | None = None,
+    *,
+    with_onsets: bool = False,
+) -> Evaluation:
+    """The judgement of the run's prefix up to `last_step` (as `--steps :last_step` gives it,
+    see engine.upto) from what was computed for the whole run: no scan."""
+    catalog = catalog or default_catalog()
+    available = catalog.for_run(computed.context.run)
+    prefix = upto(computed, last_step, computed.results, available)
+    return evaluate(prefix, config, catalog, with_onsets=with_onsets)
+
+
+def _reads(rule: Rule, computed: Computed) -> list[str]:
+    """The computed metrics a rule judges (its metric globs)."""
+    return [m for m in computed.results if any(fnmatchcase(m, pattern) for pattern in rule.metrics)]
+
+
+def judge(rule: Rule, computed: Computed, config: Config) -> list[Finding]:
+    """One rule's findings on computed metrics, with the config's thresholds and severity."""
+    override = config.findings.get(rule.id, {})
+    params = {name: float(override.get(name, param.default)) for name, param in rule.params.items()}
+    ctx = RuleContext(
+        rule,
+        params,
+        override.get("severity"),
+        computed.results,
+        computed.frames,
+        computed.aggregates,
+        computed.context.run.meta,
+    )
+    return list(rule.check(ctx))
+
+
+def onsets(
+    rule: Rule,
+    found: Sequence[Finding],
+    computed: Computed,
+    config: Config,
+    catalog: Catalog,
+) -> list[Finding]:
+    """`found` (the rule's findings on the whole run) with their onset: the first step at which
+    judging the run's prefix raises the finding, and the step before (its last good step),
+    as `--steps :s` would judge it (engine.upto). The onset is where the last stretch of
+    prefixes that raise it begins: prefixes on a grid of ONSET_GRID, walked back from the end
+    to the last that does not raise it, then bisected to adjacent steps, so judging up to the
+    onset raises it and judging up to the step before does not. From the first step judged,
+    no last good step."""
+    reads = _reads(rule, computed)
+    steps = sorted({s for m in reads for s in computed.results[m].steps})
+    ids = [*reads, *(m for m in (*rule.examples_from, *rule.context) if m in computed.results)]
+    available = catalog.for_run(computed.context.run)
+    raised: dict[int, bool] = {}
+
+    def raises(i: int) -> bool:
+        if i not in raised:
+            try:
+                prefix = upto(computed, steps[i], ids, available)
+                raised[i] = any(f.id == rule.id for f in judge(rule, prefix, config))
+            except Exception:  # a prefix the rule cannot judge does not raise it
+                raised[i] = False
+        return raised[i]
+
+    if not steps or not raises(len(steps) - 1):
+        return list(found)
+    last = len(steps) - 1
+    grid = sorted({round(k * last / ONSET_GRID) for k in range(ONSET_GRID + 1)})
+    good, bad = None, last
+    for i in reversed(grid[:-1]):
+        if not raises(i):
+            good = i
+            break
+        bad = i
+    if good is not None:
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (good, middle) if raises(middle) else (middle, bad)
+    onset, last_good = steps[bad], (steps[good] if good is not None else None)
+    return [replace(f, onset=onset, last_good=last_good) for f in found]
+
+
+def file_causes(findings: Sequence[Finding], rules: Mapping[str, Rule]) -> list[Finding]:
+    """Each finding with the findings that explain it (`caused_by`), ordered for reading: root
+    causes first (by severity, then the step they began: what broke first leads), each
+    followed by what it explains. A finding explains another when its rule `explains` it, the
+    other's evidence matches, and it began first (`Finding.began`); at the same step, only if
+    the other's rule does not explain it back."""
+
+    def explains(cause: Finding, finding: Finding) -> bool:
+        how = rules[cause.id].explains.get(finding.id)
+        if cause.id == finding.id or how is None or not how.holds(finding):
+            return False
+        if cause.began is None or finding.began is None:
+            return False
+        mutual = cause.id in rules[finding.id].explains
+        return cause.began < finding.began or (cause.began == finding.began and not mutual)
+
+    caused = [
+        replace(f, caused_by=tuple(sorted({c.id for c in findings if explains(c, f)})))
+        for f in findings
+    ]
+
+    explained = {f.id: sum(f.id in c.caused_by for c in caused) for f in caused}
+
+    def key(f: Finding) -> tuple[int, float, int, str, str]:
+        # At one severity and step, the finding that accounts for most leads.
+        began = f.began if f.began is not None else float("inf")
+        return (-severity_rank(f.severity), began, -explained[f.id], f.layer, f.id)
+
+    ordered: list[Finding] = []
+
+    def place(finding: Finding) -> None:
+        ordered.append(finding)
+        for other in sorted(caused, key=key):
+            if finding.id in other.caused_by and all(o is not other for o in ordered):
+                place(other)  # under the first of its causes to be shown
+
+    for finding in sorted(caused, key=key):
+        if not finding.caused_by:
+            place(finding)
+    for finding in sorted(caused, key=key):  # causes all explained in turn: shown as found
+        if all(o is not finding for o in ordered):
+            place(finding)
+    return ordered

@@ -142,6 +142,18 @@ class Report:
             return "ok", "ok"
         return None
 
+    def causal_groups(self) -> list[tuple[Finding, list[Finding]]]:
+        """The findings as (root cause, what it explains), in report order (the evaluation
+        places each consequence after its cause)."""
+        groups: list[tuple[Finding, list[Finding]]] = []
+        for finding in self.findings:
+            members = {groups[-1][0].id, *(f.id for f in groups[-1][1])} if groups else set()
+            if finding.caused_by and members & set(finding.caused_by):
+                groups[-1][1].append(finding)
+            else:
+                groups.append((finding, []))
+        return groups
+
     def worst_severity(self) -> str | None:
         if not self.findings:
             return None
@@ -215,6 +227,9 @@ class Report:
                     "layer": f.layer,
                     "message": f.message,
                     "remedy": f.remedy,
+                    "onset": f.onset,
+                    "last_good": f.last_good,
+                    "caused_by": list(f.caused_by),
                     "evidence": json_safe(f.evidence),
                 }
                 for f in self.findings

@@ -209,6 +209,22 @@ RuleFn: TypeAlias = "Callable[[Any], Iterator[Finding]]"
 
 
 @dataclass(frozen=True)
+class Explained:
+    """A finding another rule explains: the mechanism, and what the consequence's evidence must
+    say for it to hold (evidence key -> value; e.g. dead groups that are all wrong)."""
+
+    mechanism: str
+    when: Mapping[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        condition = ", ".join(f"{k} = {v}" for k, v in self.when.items())
+        return self.mechanism + (f" (when its {condition})" if condition else "")
+
+    def holds(self, finding: Finding) -> bool:
+        return all(finding.evidence.get(k) == v for k, v in self.when.items())
+
+
+@dataclass(frozen=True)
 class Rule:
     """A diagnosis: reads metric series, yields findings; thresholds are data in `params`."""
 
@@ -227,11 +243,18 @@ class Rule:
     # rule, never judged by it (a rule reads computed results only, it never scans the run).
     examples_from: tuple[str, ...] = ()
     marks: Marks = "window"
+    # Metrics a finding quotes as context (what changed where it began): computed with the
+    # rule, never judged by it.
+    context: tuple[str, ...] = ()
+    # Findings this one explains when both fire and this one's onset comes first (the report
+    # files the consequence under its cause): consequence id -> how.
+    explains: Mapping[str, Explained] = field(default_factory=dict)
 
     @property
     def computes(self) -> tuple[str, ...]:
-        """Every metric the rule needs computed: what it judges, then its examples' sources."""
-        return (*self.metrics, *self.examples_from)
+        """Every metric the rule needs computed: what it judges, then its examples' sources
+        and its context."""
+        return (*self.metrics, *self.examples_from, *self.context)
 
     def explain(self) -> str:
         lines = [f"{self.id}  ({self.layer}, finding, default severity {self.severity})", ""]
@@ -239,6 +262,12 @@ class Rule:
         lines.append(f"Reads: {', '.join(self.metrics)}")
         if self.examples_from:
             lines.append(f"Example rollouts from: {', '.join(self.examples_from)}")
+        if self.context:
+            lines.append(f"Quotes as context: {', '.join(self.context)}")
+        if self.explains:
+            lines += ["", "Explains, when it began first:"]
+            lines += [f"  {other}: {how.describe()}" for other, how in self.explains.items()]
+            lines.append("")
         if self.params:
             lines.append(f"Thresholds (override under [findings.{self.id}] in rlscope.toml):")
             for name, param in self.params.items():
@@ -258,6 +287,11 @@ class Rule:
             "remedy": self.remedy,
             "reads": list(self.metrics),
             "examples_from": list(self.examples_from),
+            "context": list(self.context),
+            "explains": {
+                other: {"mechanism": how.mechanism, "when": dict(how.when)}
+                for other, how in self.explains.items()
+            },
             "steps_are": self.marks,
             "thresholds": {n: {"default": p.default, "doc": p.doc} for n, p in self.params.items()},
         }
@@ -278,6 +312,12 @@ class Finding:
     evidence: Mapping[str, Any] = field(default_factory=dict)
     remedy: str = ""  # what to try (the rule's)
     marks: Marks = "window"  # how `steps` read (the rule's)
+    # The first step at which judging the run's prefix raises it, and the step before (None:
+    # from the first step judged); set by the evaluation (rlscope.evaluation.onsets).
+    onset: int | None = None
+    last_good: int | None = None
+    # The findings that explain this one (their rule `explains` it and they began first).
+    caused_by: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_evidence(self.id, self.evidence)
@@ -304,6 +344,24 @@ class Finding:
     def names(self, metric_id: str) -> bool:
         return metric_id in self.metrics
 
+    @property
+    def began(self) -> int | None:
+        """The step the problem began: the evidence's `began` where the rule can tell (a
+        collapse's step, before the evidence sufficed), else the onset."""
+        began = self.evidence.get("began")
+        return int(began) if began is not None else self.onset
+
+    def when(self) -> str:
+        """When it began and was first raised: `since step 2 (raised from step 35; last good
+        step 34)`; empty without an onset."""
+        if self.onset is None:
+            return ""
+        began = self.began if self.began is not None else self.onset
+        raised = [f"raised from step {self.onset}"] if self.onset != began else []
+        if self.last_good is not None:
+            raised.append(f"last good step {self.last_good}")
+        return f"since step {began}" + (f" ({'; '.join(raised)})" if raised else "")
+
 
 def check_evidence(finding: str, evidence: Mapping[str, Any]) -> None:
     """The shared evidence keys have their one shape (a TypeError names the finding and key)."""
@@ -317,6 +375,8 @@ def check_evidence(finding: str, evidence: Mapping[str, Any]) -> None:
         values = evidence.get(key) or ()
         if not isinstance(values, list | tuple) or not all(_is_int(v) for v in values):
             fail(key, "a list of integers")
+    if evidence.get("began") is not None and not _is_int(evidence["began"]):
+        fail("began", "an integer step")
     nested = evidence.get("rollouts")
     if nested is not None and not (
         isinstance(nested, Mapping)
@@ -365,6 +425,8 @@ class Declarations:
         brief: str = "",
         examples_from: tuple[str, ...] = (),
         marks: Marks = "window",
+        context: tuple[str, ...] = (),
+        explains: Mapping[str, Explained] | None = None,
     ) -> Callable[[RuleFn], RuleFn]:
         """Declare the decorated function as the check of the rule `id`."""
 
@@ -382,6 +444,8 @@ class Declarations:
                 brief,
                 examples_from,
                 marks,
+                context,
+                dict(explains or {}),
             )
             self.rules.append(rule)
             return fn

@@ -481,7 +481,7 @@ def test_the_verdict_comes_first_and_is_never_cut_at_80_columns() -> None:
 
     report = analyze(COLLAPSE, config=Config())
     lines = rlscope("analyze", str(COLLAPSE), columns=80).stdout.splitlines()
-    assert lines[0] == "verdict: 1 critical: entropy-collapse"
+    assert lines[0] == "verdict: 1 critical: entropy-collapse since step 9"
     assert max(len(line) for line in lines) <= 80
     for metric in report.metrics.values():
         row = next((ln for ln in lines if f"│ {metric.id} " in ln), None)

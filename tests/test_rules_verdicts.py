@@ -498,6 +498,7 @@ REAL_VERDICTS = {
         ("dead-prompts", "warn"),
         ("grad-spike", "warn"),
         ("kl-high", "critical"),
+        ("performance-regression", "critical"),
     ],
     # TRL logged completions/clipped_ratio 0.63 -> 0.92: the near-random policy runs into
     # max_completion_length, read from the logged figure (words are never compared with caps).

@@ -117,6 +117,9 @@ def _mark_findings(chart: Chart, report: Report, metric_id: str, align: str) -> 
             continue
         color = SEVERITY_COLORS.get(finding.severity, "#555")
         label = _label(f"{finding.id} ({finding.severity})")
+        if finding.began is not None and not finding.caused_by:
+            (began,) = _x(report, [finding.began], align)
+            chart.vline(began, "#222", _label(f"{finding.id} began (step {finding.began})"))
         if finding.marks == "window" and len(set(finding.steps)) > 1:
             first, last = _x(report, [min(finding.steps), max(finding.steps)], align)
             chart.span(first, last, color, label)
@@ -452,6 +455,13 @@ def _card(
         f"<span class='dim'>{_e(finding.layer)} {_e(LAYERS.get(finding.layer, ''))}"
         f"{' · ' + _e(where) if where else ''}</span></p>"
         f"<p>{_md(finding.message)}</p>"
+        + (
+            f"<p><b>Because of</b> {', '.join(f'<code>{_e(c)}</code>' for c in finding.caused_by)}"
+            " (began first; see its card).</p>"
+            if finding.caused_by
+            else ""
+        )
+        + (f"<p class='dim'>{_e(finding.when().capitalize())}.</p>" if finding.onset else "")
         + (f"<p><b>What to try:</b> {_md(finding.remedy)}</p>" if finding.remedy else "")
         + examples
         + f"<p class='dim'>Why and thresholds: <code>rlscope explain {_e(finding.id)}</code>"

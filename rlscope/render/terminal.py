@@ -221,12 +221,23 @@ def _findings(report: Report) -> Panel:
         body.add_column(no_wrap=True)
         body.add_column(no_wrap=True)
         body.add_column(ratio=1)
-        for finding in report.findings:
-            body.add_row(
-                Text(finding.severity.upper(), style=SEVERITY_STYLE[finding.severity]),
-                Text(safe_text(f"{finding.id} ({finding.layer})"), style="bold"),
-                Text(safe_text(finding.message)),
-            )
+        for root, consequences in report.causal_groups():
+            for finding in (root, *consequences):
+                message = Text(safe_text(finding.message))
+                since = finding.when()
+                if finding.caused_by:
+                    message.append(
+                        safe_text(f" Because of {', '.join(finding.caused_by)}; {since}."),
+                        style="dim",
+                    )
+                elif since:
+                    message.append(safe_text(f" {since[0].upper()}{since[1:]}."), style="dim")
+                arrow = "↳ " if finding is not root else ""
+                body.add_row(
+                    Text(finding.severity.upper(), style=SEVERITY_STYLE[finding.severity]),
+                    Text(safe_text(f"{arrow}{finding.id} ({finding.layer})"), style="bold"),
+                    message,
+                )
     unchecked = [s for s in report.skipped if s.kind == "finding" and not s.failed]
     if unchecked:
         names = ", ".join(s.metric for s in unchecked)
@@ -235,14 +246,21 @@ def _findings(report: Report) -> Panel:
 
 
 def summary_line(report: Report) -> Text:
-    """The verdict in one line, first: `2 critical, 1 warn: entropy-collapse, kl-runaway, …`."""
+    """The verdict in one line, first: the counts, then each root cause with the step it began
+    and what it explains: `2 critical, 1 warn: performance-regression since step 2 (→ kl-high,
+    dead-prompts), grad-spike since step 134`."""
     if not report.findings:
         return Text("verdict: no findings (nothing at info level or above)", style="bold green")
     counts = {s: sum(f.severity == s for f in report.findings) for s in SEVERITY_ORDER}
     worst = next(s for s in SEVERITY_ORDER if counts[s])
     text = Text("verdict: ", style="bold")
     text.append(", ".join(f"{n} {s}" for s, n in counts.items() if n), style=SEVERITY_STYLE[worst])
-    text.append(": " + ", ".join(dict.fromkeys(f.id for f in report.findings)))
+    parts = []
+    for root, consequences in report.causal_groups():
+        part = root.id + (f" since step {root.began}" if root.began is not None else "")
+        explained = list(dict.fromkeys(f.id for f in consequences if f.id != root.id))
+        parts.append(part + (f" (→ {', '.join(explained)})" if explained else ""))
+    text.append(": " + ", ".join(dict.fromkeys(parts)))
     return text
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -51,10 +51,13 @@ class Windows:
     first_steps: tuple[int, int]
     last_steps: tuple[int, int]
     se: float = 0.0  # standard error of `delta`
+    # Degrees of freedom of the noise `se` was estimated from (None: a known sampling model).
+    dof: int | None = None
 
     def rising(self, z: float) -> bool:
-        """Significantly up: the rise is at least `z` standard errors."""
-        return self.delta > 0 and self.z >= z
+        """Significantly up: the rise is at least `z` standard errors (`z` widened as
+        Student's t when the noise was estimated from few steps: `t_quantile`)."""
+        return self.delta > 0 and self.z >= t_quantile(z, self.dof)
 
     def not_rising(self, tolerance: float, z: float = 2.0) -> bool:
         """Flat or falling, and sure of it: the upper end of the rise's interval (delta + z·se)
@@ -63,19 +66,38 @@ class Windows:
         return self.delta + z * self.se <= tolerance
 
     def falling(self, z: float) -> bool:
-        return self.delta < 0 and self.z <= -z
+        return self.delta < 0 and self.z <= -t_quantile(z, self.dof)
 
 
-def compare_windows(series: Series, fraction: float = TREND_FRACTION) -> Windows:
-    """First vs last window (each `fraction` of the steps, >= 3): delta and a z-score whose noise
-    is the step-to-step scatter (so it holds at any batch size): within each window, and never
-    less than the whole series' (`step_noise`): three values can sit close by chance, and a
-    window of them judged on its own spread would make noise significant."""
-    w = window_size(len(series), fraction)
-    a, b = series.values[:w], series.values[-w:]
+def t_quantile(z: float, dof: int | None) -> float:
+    """The Student-t quantile with `dof` degrees of freedom at the normal quantile `z`
+    (Cornish-Fisher): a noise estimated from 20 steps is itself uncertain, so a z of 3 is
+    not 3 standard errors; `z` itself for None or a large dof."""
+    if dof is None or dof <= 0:
+        return z
+    return z + (z**3 + z) / (4 * dof) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
+
+
+def compare_windows(
+    series: Series, fraction: float = TREND_FRACTION, first: int | None = None
+) -> Windows:
+    """First vs last window (each `fraction` of the steps, >= 3; the first window `first`
+    steps when given: the run's start): delta and a z-score whose noise is the step-to-step
+    scatter (so it holds at any batch size): within each window, and never less than the whole
+    series' (`step_noise`): three values can sit close by chance, and a window of them judged
+    on its own spread would make noise significant."""
+    n = len(series)
+    w = window_size(n, fraction)
+    a, b = series.values[: first or w], series.values[-w:]
+    # Each window's scatter over at least SCATTER_STEPS steps around it (as final_se).
+    around = min(n, SCATTER_STEPS)
     floor = step_noise(series.values) ** 2
-    se = math.sqrt(max(_var(a), floor) / len(a) + max(_var(b), floor) / len(b))
-    return _windows(float(a.mean()), float(b.mean()), se, series.steps, w)
+    var_a = max(_var(series.values[: max(len(a), around)]), floor)
+    var_b = max(_var(series.values[-max(w, around) :]), floor)
+    se = math.sqrt(var_a / len(a) + var_b / len(b))
+    return replace(
+        _windows(float(a.mean()), float(b.mean()), se, series.steps, len(a), w), dof=n - 1
+    )
 
 
 def step_noise(values: np.ndarray) -> float:
@@ -88,9 +110,9 @@ def step_noise(values: np.ndarray) -> float:
     return math.sqrt(float(np.mean(np.diff(values) ** 2)) / 2.0)
 
 
-def _windows(first: float, last: float, se: float, steps: Any, w: int) -> Windows:
+def _windows(first: float, last: float, se: float, steps: Any, head: int, tail: int) -> Windows:
     """The Windows of two window means and the standard error of their difference (`steps`:
-    the series' steps, each window `w` of them)."""
+    the series' steps, the first window its `head` first, the last its `tail` last)."""
     delta = last - first
     z = delta / se if se > 0 else (math.inf if delta > 0 else -math.inf if delta < 0 else 0.0)
     return Windows(
@@ -98,8 +120,8 @@ def _windows(first: float, last: float, se: float, steps: Any, w: int) -> Window
         last,
         delta,
         z,
-        (int(steps[0]), int(steps[w - 1])),
-        (int(steps[-w]), int(steps[-1])),
+        (int(steps[0]), int(steps[head - 1])),
+        (int(steps[-tail]), int(steps[-1])),
         se,
     )
 
@@ -110,24 +132,32 @@ MIN_EVIDENCE_POINTS = 6
 
 
 def compare_pooled_windows(
-    frame: pl.DataFrame, units: str, sum_sq: str, fraction: float = TREND_FRACTION
+    frame: pl.DataFrame,
+    units: str,
+    sum_sq: str,
+    fraction: float = TREND_FRACTION,
+    first: int | None = None,
 ) -> Windows | None:
-    """First vs last window (each `fraction` of the points, >= 3) of a per-step mean of
-    per-unit values (`value`: the mean over the step's `units`, `sum_sq`: Σ value²), pooled
-    over each window's units, so each point weighs what it measured: a sparse series of big
-    batches is judged on its evidence, a dense one of tiny batches is not over-trusted. The
-    standard error of a window is the spread of its units over their number: the units (prompt
-    groups, each drawn afresh with its difficulty) are the sampling unit, so this is the
-    error whatever the batch size and the number of points (a window's step-to-step scatter
-    estimates the same from 3 to 10 values, far more noisily). None with fewer than
+    """First vs last window (each `fraction` of the points, >= 3; the first window `first`
+    points when given: the run's start) of a per-step mean of per-unit values (`value`: the
+    mean over the step's `units`, `sum_sq`: Σ value²), pooled over each window's units, so
+    each point weighs what it measured: a sparse series of big batches is judged on its
+    evidence, a dense one of tiny batches is not over-trusted. The standard error of a window
+    is the spread of its units over their number: the units (prompt groups, each drawn afresh
+    with its difficulty) are the sampling unit, so this is the error whatever the batch size
+    and the number of points (a window's step-to-step scatter estimates the same from 3 to 10
+    values, far more noisily); never below the step-to-step noise (`step_noise`) over the
+    window's points, since a handful of groups can agree by chance. None with fewer than
     MIN_EVIDENCE_POINTS points."""
     rows = frame.filter(pl.col("value").is_not_null() & (pl.col(units) > 0)).sort("step")
     n = rows.height
     if n < MIN_EVIDENCE_POINTS:
         return None
     w = window_size(n, fraction)
+    head = first or w
+    noise = step_noise(rows["value"].cast(pl.Float64).to_numpy())
     means, ses = [], []
-    for window in (rows.head(w), rows.tail(w)):
+    for window in (rows.head(head), rows.tail(w)):
         count = window[units].cast(pl.Float64).to_numpy()
         values = window["value"].cast(pl.Float64).to_numpy()
         squares = window[sum_sq].cast(pl.Float64).to_numpy()
@@ -135,23 +165,75 @@ def compare_pooled_windows(
         mean = float((values * count).sum() / total)
         spread = max(float(squares.sum()) / total - mean**2, 0.0) * total / max(total - 1, 1)
         means.append(mean)
-        ses.append(math.sqrt(spread / total))
-    return _windows(means[0], means[1], math.hypot(*ses), rows["step"].to_list(), w)
+        ses.append(max(math.sqrt(spread / total), noise / math.sqrt(window.height)))
+    return _windows(means[0], means[1], math.hypot(*ses), rows["step"].to_list(), head, w)
 
 
 def pass_at_1_trend(
-    ctx: RuleContext, fraction: float = TREND_FRACTION, min_steps: float = MIN_TREND_STEPS
+    ctx: RuleContext,
+    fraction: float = TREND_FRACTION,
+    min_steps: float = MIN_TREND_STEPS,
+    first: int | None = None,
 ) -> Windows | None:
-    """pass@1's first vs last window judged on its evidence (`compare_pooled_windows`: each
-    window pools its prompt groups; from MIN_EVIDENCE_POINTS points) where its frame carries
-    them, else on the step-to-step scatter of at least `min_steps` steps; None without."""
+    """pass@1's first (or its `first` points: the start) vs last window judged on its evidence
+    (`compare_pooled_windows`: each window pools its prompt groups; from MIN_EVIDENCE_POINTS
+    points) where its frame carries them, else on the step-to-step scatter of at least
+    `min_steps` steps; None without."""
     frame = ctx.frame("signal.pass_at_1")
     if frame is not None and {"groups", ACC_SQ} <= set(frame.columns):
-        return compare_pooled_windows(frame, "groups", ACC_SQ, fraction)
+        return compare_pooled_windows(frame, "groups", ACC_SQ, fraction, first)
     series = ctx.series("signal.pass_at_1")
     if series is None or len(series) < max(min_steps, 1):
         return None
-    return compare_windows(series, fraction)
+    return compare_windows(series, fraction, first)
+
+
+def halfway_step(series: Series, start: float, end: float) -> int:
+    """The first step after the first at which a series that moved from level `start` to level
+    `end` is past half-way, judged on a centred median of 3 steps (one noisy step does not
+    count): where a collapse happened, or a fall was half done. The last step if it never is."""
+    smooth = rolling_median(series.values, 3)[1:]  # from the second step: a change follows one
+    middle = (start + end) / 2
+    past = smooth <= middle if end < start else smooth >= middle
+    hits = np.flatnonzero(past)
+    return int(series.steps[hits[0] + 1] if len(hits) else series.steps[-1])
+
+
+#: The optimisation's own settings and responses whose change at a step can explain what broke
+#: there (quoted by a finding as what changed where it began), with how they are named.
+DRIVERS = {
+    "stability.lr": "learning rate",
+    "stability.kl": "KL to the reference",
+    "stability.grad_norm": "gradient norm",
+}
+#: A driver changed at a step when its level after is at least this many times its level
+#: before (or at most its inverse), and apart by more than its step-to-step noise.
+DRIVER_RATIO = 2.0
+
+
+def changed_at(ctx: RuleContext, step: int) -> dict[str, tuple[float, float]]:
+    """The DRIVERS that changed where a finding began (`step`): the mean of the 5 steps before
+    step − 3 against the mean of steps step − 3 … step + 2 (a cause takes a few updates to
+    show in the rollouts, and its own jump can take as long); {metric id:
+    (before, after)}, only for a change of ×DRIVER_RATIO beyond the series' step-to-step noise.
+    With no step before, the first value is the before."""
+    changed = {}
+    for metric_id in DRIVERS:
+        series = ctx.series(metric_id)
+        if series is None or len(series) < 2:
+            continue
+        steps, values = series.steps, series.values
+        earlier = values[steps < step - 3]
+        before = earlier[-5:] if len(earlier) else values[:1]
+        after = values[(steps >= step - 3) & (steps <= step + 2)]
+        if not len(after):
+            continue
+        a, b = float(np.mean(before)), float(np.mean(after))
+        low, high = sorted((abs(a), abs(b)))
+        ratio = high / low if low > 0 else math.inf
+        if ratio >= DRIVER_RATIO and abs(b - a) > 2 * step_noise(earlier):
+            changed[metric_id] = (a, b)
+    return changed
 
 
 def _var(x: np.ndarray) -> float:

@@ -11,22 +11,32 @@ import polars as pl
 
 from rlscope.metrics.signal import REWARD_EXTREMES
 from rlscope.rules.base import (
+    DRIVERS,
     MIN_TREND_STEPS,
     RuleContext,
+    changed_at,
     compare_windows,
     final_level,
     final_mean,
     final_se,
     final_steps,
+    halfway_step,
     pass_at_1_trend,
     pct,
     step_noise,
 )
-from rlscope.spec import Declarations, Finding, Param, Severity
-from rlscope.windows import window_size
+from rlscope.spec import Declarations, Explained, Finding, Param, Severity
+from rlscope.windows import MIN_STEPS, window_size
 
 #: This layer's findings, in order (collected by rlscope.catalog).
 DECLARED = Declarations()
+
+
+#: A KL that ran away before the task outcome fell explains the fall.
+DRIFT_EXPLAINS_COLLAPSE = Explained(
+    "a policy driven far from its reference loses what the reference could do: the drift "
+    "came first, the task outcome fell after it"
+)
 
 
 @DECLARED.rule(
@@ -100,6 +110,7 @@ def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
     "even go negative).",
     remedy="raise the KL coefficient (β) or add a KL loss; lower the learning rate; check the "
     "reward for hacking (inspect the highest-reward rollouts of the last steps).",
+    explains={"performance-regression": DRIFT_EXPLAINS_COLLAPSE},
     metrics=("stability.kl",),
     params={
         "growth_ratio": Param(2.5, "last-third mean KL / middle-third mean KL"),
@@ -148,6 +159,7 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
     "tokens a step has negligible sampling error; the window mean absorbs single spikes.",
     remedy="lower the learning rate; raise the KL coefficient (β) or switch the KL loss on; "
     "check the reference model is the policy's own starting checkpoint.",
+    explains={"performance-regression": DRIFT_EXPLAINS_COLLAPSE},
     metrics=("stability.kl",),
     params={
         "warn_at": Param(0.5, "final-window KL (nats/token) for a warning"),
@@ -542,26 +554,67 @@ def divergence(ctx: RuleContext) -> Iterator[Finding]:
     )
 
 
+#: What a collapse of the task outcome explains when it began first (rlscope.evaluation files
+#: these findings under it): the mechanism of each.
+COLLAPSE_EXPLAINS = {
+    "dead-prompts": Explained(
+        "a policy that lost its skill answers every rollout of a prompt wrong: all-wrong groups "
+        "with zero σ follow the collapse, the prompts did not get harder",
+        {"side": "too hard"},
+    ),
+    "truncation": Explained(
+        "collapsed policies degenerate (a token or phrase repeated) and run into the length cap"
+    ),
+    "format-violations": Explained(
+        "the output that replaced the skill no longer follows the format"
+    ),
+    "repetition": Explained("degenerate output after a collapse repeats itself"),
+    "kl-high": Explained(
+        "the degenerate output that replaced the skill is improbable under the reference "
+        "model: the KL is high because the policy broke"
+    ),
+    "diversity-collapse": Explained(
+        "a collapsed policy gives the same degenerate answer to every sample of a prompt"
+    ),
+    "auxiliary-reward-dominates": Explained(
+        "when every rollout fails the task, only the other reward terms still vary within "
+        "a group and carry the advantage"
+    ),
+}
+
+
 @DECLARED.rule(
     "performance-regression",
-    brief="critical: pass@1 (else reward) falls ≥ 0.03 between the first and last tenth, z ≤ −3",
+    brief=(
+        "critical: pass@1 (else reward) falls ≥ 0.03, z ≤ −3, from the first tenth or from the "
+        "run's first step to the last tenth; names the step it began and what changed there"
+    ),
     layer="L1",
     title="The policy got worse at its task",
-    doc="pass@1 (or, without correctness, the mean reward) fell between the first and last tenth "
-    "of "
-    "the run by at least `min_fall` (pass@1, absolute) and significantly (z <= -`z`). pass@1 is "
-    "judged on its evidence, not its number of steps: each window pools its prompt groups, its "
-    "standard error the spread of the groups' accuracies over their number (prompts are the "
-    "sampling unit, their difficulty included), so six points of 256 completions each (a TRL run "
-    "that generates once every few optimizer steps) are judged, and a long series of 4-prompt "
-    "steps is not over-trusted. The mean reward, with no per-step sampling error, is judged on "
-    "the step-to-step scatter of at least `min_steps` steps. RL on a reward should not make the "
-    "policy worse at that reward: a sustained fall means the updates are destructive (learning "
-    "rate too high, KL too loose, a reward or advantage bug) — the seed's L1 question 'is the "
-    "optimisation working' answered no. Short windows (a tenth) so a collapse in the first steps "
-    "is not averaged away.",
-    remedy="lower the learning rate; raise the KL coefficient; check the reward function and "
-    "the advantage sign on a few rollouts; resume from a checkpoint before the fall.",
+    doc="pass@1 (or, without correctness, the mean reward) fell to the last tenth of the run by "
+    "at least `min_fall` (pass@1, absolute) and significantly (z <= -`z`), from the first "
+    "tenth or from the run's start: its first step, the rollouts of the policy before RL "
+    "changed it. The start is judged too because a policy that breaks in its first updates (a"
+    " learning rate far too high) has already collapsed inside the first tenth, and a "
+    "first-vs-last comparison sees nothing. pass@1 is judged on its evidence, not its number "
+    "of steps: each window pools its prompt groups, its standard error the spread of the "
+    "groups' accuracies over their number (prompts are the sampling unit, their difficulty "
+    "included), so the first step alone weighs what its groups measured, six points of 256 "
+    "completions each (a TRL run that generates once every few optimizer steps) are judged, "
+    "and a long series of 4-prompt steps is not over-trusted. The mean reward, with no "
+    "per-step sampling error, is judged on the step-to-step scatter of at least `min_steps` "
+    "steps (never less than the series' own), its start being the first 3 steps, since one "
+    "value has no spread of its own. The finding names the step the fall began (the first "
+    "whose median of 3 is past half-way from the baseline to the last tenth: a collapse's "
+    "step) and what changed at that step: the learning rate, a KL jump or a gradient-norm "
+    "jump of ×2 or more (rules.base.DRIVERS). RL on a reward should not make the policy worse"
+    " at that reward: a sustained fall means the updates are destructive (learning rate too "
+    "high, KL too loose, a reward or advantage bug) — the seed's L1 question 'is the "
+    "optimisation working' answered no. What follows from a collapse (all-wrong groups, "
+    "degenerate output at the length cap, broken format) is filed under it.",
+    remedy="lower the learning rate and resume from the last good checkpoint (before the step "
+    "the fall began); raise the KL coefficient; check the reward function and the advantage "
+    "sign on a few rollouts.",
     metrics=("signal.pass_at_1", "signal.reward"),
     params={
         "min_fall": Param(0.03, "pass@1 fall (absolute) that counts"),
@@ -569,37 +622,53 @@ def divergence(ctx: RuleContext) -> Iterator[Finding]:
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
     },
     severity="critical",
+    context=tuple(DRIVERS),
+    explains=COLLAPSE_EXPLAINS,
 )
 def performance_regression(ctx: RuleContext) -> Iterator[Finding]:
     p = ctx.params
     accuracy = ctx.series("signal.pass_at_1")
-    measure, name = (
-        (accuracy, "pass@1")
-        if accuracy is not None
-        else (
-            ctx.series("signal.reward"),
-            "mean reward",
-        )
-    )
+    measure = accuracy or ctx.series("signal.reward")
+    name = "pass@1" if accuracy is not None else "mean reward"
+    if measure is None:
+        return
     if accuracy is not None:
-        trend = pass_at_1_trend(ctx, fraction=0.1, min_steps=p["min_steps"])
-    elif measure is not None and len(measure) >= p["min_steps"]:
-        trend = compare_windows(measure, fraction=0.1)
+        trends = [pass_at_1_trend(ctx, 0.1, p["min_steps"], first) for first in (None, 1)]
+    elif len(measure) >= p["min_steps"]:
+        # One value has no spread of its own: the start is its first MIN_STEPS steps.
+        trends = [compare_windows(measure, 0.1, first) for first in (None, MIN_STEPS)]
     else:
         return
-    if trend is None:
+    falls = [
+        t
+        for t in trends
+        if t is not None and (t.delta <= -p["min_fall"] or name != "pass@1") and t.falling(p["z"])
+    ]
+    if not falls:
         return
-    big = trend.delta <= -p["min_fall"] if name == "pass@1" else True
-    if big and trend.falling(p["z"]):
-        yield ctx.finding(
-            f"{name} fell {trend.first:.3g} → {trend.last:.3g} (z = {trend.z:.1f}) between steps "
-            f"{trend.first_steps[0]}–{trend.first_steps[1]} and "
-            f"{trend.last_steps[0]}–{trend.last_steps[1]}.",
-            first=trend.first,
-            last=trend.last,
-            measure=name,
-            steps=[trend.first_steps[0], trend.last_steps[1]],
-        )
+    trend = min(falls, key=lambda t: t.z)
+    began = halfway_step(measure, trend.first, trend.last)
+    changes = changed_at(ctx, began)
+    start = trend is trends[1]
+    span = trend.first_steps
+    where = (
+        f"from {trend.first:.3g} "
+        + (f"at step {span[0]}" if span[0] == span[1] else f"over steps {span[0]}–{span[1]}")
+        + (", the run's start," if start else "")
+    )
+    said = " and ".join(f"the {DRIVERS[m]} went {a:.2g} → {b:.2g}" for m, (a, b) in changes.items())
+    yield ctx.finding(
+        f"{name} {'collapsed' if start else 'fell'} {where} to {trend.last:.3g} over steps "
+        f"{trend.last_steps[0]}–{trend.last_steps[1]} (z = {trend.z:.1f}); it fell past half-way "
+        f"at step {began}" + (f", where {said}." if said else "."),
+        first=trend.first,
+        last=trend.last,
+        measure=name,
+        baseline="start" if start else "first tenth",
+        began=began,
+        changed={m: list(v) for m, v in changes.items()},
+        steps=[trend.first_steps[0], trend.last_steps[1]],
+    )
 
 
 LOGGED_METRICS = (

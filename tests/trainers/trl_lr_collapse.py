@@ -1,0 +1,197 @@
+"""Real TRL GRPOTrainer runs on CPU whose task accuracy collapses from a too-high learning rate.
+
+For the slow tests: rlscope should name an early collapse of the task accuracy and its cause (the
+learning rate), and stay quiet about it on the healthy run. A tiny from-scratch Qwen2 policy
+(word-level vocabulary of 19 tokens, 77k parameters) answers "<verb> the number A B" with "A B"
+(100 digit pairs x the verbs say, repeat, echo). Before RL a plain torch loop trains it on a noisy
+teacher (right with probability 0.75, else one digit changed; a trailing filler word 20% of the
+time), so it starts at ~0.8 accuracy with groups that disagree. GRPOTrainer then trains it for
+STEPS steps of 8 prompts x 8 completions (beta 0.04, so `kl` is logged) with rewards
+accuracy_reward (1 when the first two words are A B) and format_reward (0.25 for a two-word
+answer), writing OUT_DIR/completions/completions_<step:05d>.parquet and OUT_DIR/trainer_state.json.
+
+MODE (measured with the defaults, seed 0, 50 steps, ~14 s each on one thread):
+  healthy   lr 5e-4, constant: accuracy 0.78 at step 1 (0.78 over steps 1-3) rising to 0.94
+            over steps 41-50; kl at most 0.30.
+  too-high  lr 2e-2 (40x) from step 1: accuracy 0.78 at step 1, 0.00 at step 2 (kl 0 -> 5.5,
+            grad_norm 10.4), 0.01 over steps 41-50, never recovering; kl ~5 throughout. The
+            policy ends up repeating one digit whatever the prompt ("8 8 8").
+  jump      identical to healthy (bit for bit) through step 24; from JUMP_STEP = 25 the logged
+            learning_rate is 2e-2 (a LambdaLR passed through `optimizers`). Accuracy 0.87 over
+            steps 1-24 (min 0.73, kl <= 0.27), then 0.89, 0.53, 0.19 at steps 26-28 (kl 1.6,
+            3.5, 3.7) and 0.03 over steps 41-50.
+Seeds 1 and 2 (SEED) give the same picture. Deterministic for a seed on one machine.
+
+Usage: python trl_lr_collapse.py OUT_DIR {healthy,too-high,jump} [STEPS]  (STEPS defaults to 50)
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+DIGITS = [str(d) for d in range(10)]
+VERBS = ["say", "repeat", "echo"]
+FILLERS = ["please", "now"]
+WORDS = [*VERBS, "the", "number", *FILLERS]
+
+TEACHER_ACCURACY = 0.75  # the SFT teacher's share of right answers
+TEACHER_FILLER = 0.2  # the SFT teacher's share of answers with a trailing filler word
+SFT_STEPS = 300
+SFT_LR = 3e-3
+HEALTHY_LR = 5e-4
+TOO_HIGH_LR = 2e-2
+JUMP_STEP = 25  # mode jump: the first step trained with HEALTHY_LR * JUMP_FACTOR
+JUMP_FACTOR = TOO_HIGH_LR / HEALTHY_LR
+MODES = ("healthy", "too-high", "jump")
+SEED = 0
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", *WORDS, *DIGITS])}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>"
+    )
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _prompts() -> list[dict[str, str]]:
+    return [
+        {"prompt": f"{verb} the number {a} {b}", "answer": f"{a} {b}"}
+        for a in DIGITS
+        for b in DIGITS
+        for verb in VERBS
+    ]
+
+
+def _teacher(answer: str, rng: random.Random) -> str:
+    """The answer with probability TEACHER_ACCURACY, else one of its digits changed; a filler
+    word after it with probability TEACHER_FILLER."""
+    digits = answer.split()
+    if rng.random() >= TEACHER_ACCURACY:
+        i = rng.randrange(2)
+        digits[i] = rng.choice([d for d in DIGITS if d != digits[i]])
+    if rng.random() < TEACHER_FILLER:
+        digits.append(rng.choice(FILLERS))
+    return " ".join(digits)
+
+
+def _sft(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, batch: int = 64) -> None:
+    """Plain supervised training on the noisy teacher (loss on completion tokens only)."""
+    rng = random.Random(SEED)
+    prompts = _prompts()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
+    model.train()
+    for _ in range(SFT_STEPS):
+        rows: list[tuple[list[int], list[int]]] = []
+        for row in rng.choices(prompts, k=batch):
+            prompt = tokenizer(row["prompt"])["input_ids"]
+            completion = tokenizer(_teacher(row["answer"], rng))["input_ids"]
+            rows.append((prompt, [*completion, tokenizer.eos_token_id]))
+        width = max(len(p) + len(c) for p, c in rows)
+        ids = torch.full((batch, width), tokenizer.pad_token_id)
+        labels = torch.full((batch, width), -100)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, (p, c) in enumerate(rows):
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+            mask[i, : len(p) + len(c)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+def _jump_optimizers(
+    model: Qwen2ForCausalLM,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """The optimizer TRL would build (fused AdamW, no weight decay) at HEALTHY_LR until
+    JUMP_STEP, then JUMP_FACTOR times that. The scheduler's index counts the updates done, so
+    step k (1-based) trains at index k - 1; TRL logs that step's learning_rate before stepping."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=HEALTHY_LR, weight_decay=0.0, fused=True)
+
+    def factor(done: int) -> float:
+        return 1.0 if done + 1 < JUMP_STEP else JUMP_FACTOR
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def accuracy_reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    return [
+        1.0 if c.split()[:2] == a.split() else 0.0 for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def format_reward(completions: list[str], **_: Any) -> list[float]:
+    return [0.25 if len(c.split()) == 2 else 0.0 for c in completions]
+
+
+def main(out: Path, mode: str, steps: int) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    tokenizer = _tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    sft = Qwen2ForCausalLM(config)
+    _sft(sft, tokenizer)
+    args = GRPOConfig(
+        output_dir=str(out),
+        num_generations=8,
+        per_device_train_batch_size=64,
+        max_completion_length=4,
+        max_steps=steps,
+        learning_rate=TOO_HIGH_LR if mode == "too-high" else HEALTHY_LR,
+        lr_scheduler_type="constant",
+        beta=0.04,
+        logging_steps=1,
+        log_completions=True,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=SEED,
+        disable_tqdm=True,
+    )
+    with tempfile.TemporaryDirectory() as sft_dir:
+        # TRL builds the KL reference from the policy's config._name_or_path: load from disk.
+        sft.save_pretrained(sft_dir)
+        model = Qwen2ForCausalLM.from_pretrained(sft_dir)
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[accuracy_reward, format_reward],
+            args=args,
+            train_dataset=Dataset.from_list(_prompts()),
+            processing_class=tokenizer,
+            optimizers=_jump_optimizers(model) if mode == "jump" else (None, None),
+        )
+        trainer.train()
+    trainer.save_state()  # OUT/trainer_state.json
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[2] not in MODES:
+        sys.exit(f"usage: python {Path(__file__).name} OUT_DIR {{{','.join(MODES)}}} [STEPS]")
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 50)
