@@ -13,7 +13,7 @@ from rlscope.config import Config
 from rlscope.engine import Computed, upto
 from rlscope.report import Skipped
 from rlscope.rules.base import RuleContext
-from rlscope.spec import Finding, Rule, severity_rank
+from rlscope.spec import Finding, Metric, Rule, severity_rank
 
 #: Prefixes judged on a grid before bisecting (onsets): a rule is judged about
 #: ONSET_GRID + log2(steps / ONSET_GRID) times per finding, whatever the run length.
@@ -50,6 +50,7 @@ def evaluate(
     skipped: list[Skipped] = []
     warnings: list[str] = []
     judged: set[str] = set()
+    available: Mapping[str, Metric] = {}  # the run's metrics, for the prefixes of onsets
     for rule in catalog.rules.values():
         if config.findings.get(rule.id, {}).get("enabled", True) is False:
             continue
@@ -71,7 +72,8 @@ def evaluate(
             )
             continue
         if found and with_onsets:
-            found = onsets(rule, found, computed, config, catalog)
+            available = available or catalog.for_run(computed.context.run)
+            found = onsets(rule, found, computed, config, available)
         findings.extend(found)
         judged.update(reads)
     return Evaluation(
@@ -124,7 +126,7 @@ def onsets(
     found: Sequence[Finding],
     computed: Computed,
     config: Config,
-    catalog: Catalog,
+    available: Mapping[str, Metric],
 ) -> list[Finding]:
     """`found` (the rule's findings on the whole run) with their onset: the first step at which
     judging the run's prefix raises the finding, and the step before (its last good step),
@@ -132,11 +134,10 @@ def onsets(
     prefixes that raise it begins: prefixes on a grid of ONSET_GRID, walked back from the end
     to the last that does not raise it, then bisected to adjacent steps, so judging up to the
     onset raises it and judging up to the step before does not. From the first step judged,
-    no last good step."""
+    no last good step. `available`: the catalog's metrics for the run."""
     reads = _reads(rule, computed)
     steps = sorted({s for m in reads for s in computed.results[m].steps})
     ids = [*reads, *(m for m in (*rule.examples_from, *rule.context) if m in computed.results)]
-    available = catalog.for_run(computed.context.run)
     raised: dict[int, bool] = {}
 
     def raises(i: int) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -95,9 +95,7 @@ def compare_windows(
     var_a = max(_var(series.values[: max(len(a), around)]), floor)
     var_b = max(_var(series.values[-max(w, around) :]), floor)
     se = math.sqrt(var_a / len(a) + var_b / len(b))
-    return replace(
-        _windows(float(a.mean()), float(b.mean()), se, series.steps, len(a), w), dof=n - 1
-    )
+    return _windows(float(a.mean()), float(b.mean()), se, series.steps, len(a), w, dof=n - 1)
 
 
 def step_noise(values: np.ndarray) -> float:
@@ -110,9 +108,12 @@ def step_noise(values: np.ndarray) -> float:
     return math.sqrt(float(np.mean(np.diff(values) ** 2)) / 2.0)
 
 
-def _windows(first: float, last: float, se: float, steps: Any, head: int, tail: int) -> Windows:
+def _windows(
+    first: float, last: float, se: float, steps: Any, head: int, tail: int, dof: int | None = None
+) -> Windows:
     """The Windows of two window means and the standard error of their difference (`steps`:
-    the series' steps, the first window its `head` first, the last its `tail` last)."""
+    the series' steps, the first window its `head` first, the last its `tail` last; `dof`:
+    of the noise `se` was estimated from, None for a sampling model)."""
     delta = last - first
     z = delta / se if se > 0 else (math.inf if delta > 0 else -math.inf if delta < 0 else 0.0)
     return Windows(
@@ -123,6 +124,7 @@ def _windows(first: float, last: float, se: float, steps: Any, head: int, tail: 
         (int(steps[0]), int(steps[head - 1])),
         (int(steps[-tail]), int(steps[-1])),
         se,
+        dof,
     )
 
 
