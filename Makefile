@@ -33,13 +33,15 @@ test: $(STAMP)
 	$(PYTEST) -m "not slow"
 
 # Real trainers for the slow tests that run one (tests/trainers/): torch's CPU build, transformers
-# and TRL in a venv of their own, so that rlscope's own stays light.
+# and TRL in a venv of their own (with rlscope, for its callback), so that rlscope's own stays light.
 TRL_VENV := .venv-trl
 TRL_STAMP := $(TRL_VENV)/.installed
-$(TRL_STAMP): Makefile
+$(TRL_STAMP): Makefile pyproject.toml
 	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
 		torch==2.13.0 transformers==5.25.0 trl==1.16.0 datasets accelerate tokenizers
+	# rlscope itself, for the trainers that run its callback (tests/test_live.py)
+	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e .
 	touch $(TRL_STAMP)
 
 # The slow matrices (larger healthy-shape runs, a real TRL run); CI runs them after `make test`.

@@ -3,6 +3,7 @@ with its onset, filed under the findings that explain it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
@@ -71,6 +72,18 @@ def evaluate(
                 f"stand. Please report it (rlscope {__version__}, with `--format json` output)"
             )
             continue
+        short = _too_short(rule, computed, config, reads)
+        if not found and short is not None:
+            skipped.append(
+                Skipped(
+                    rule.id,
+                    f"judged from {short[0]} steps, the run has {short[1]} so far",
+                    rule.layer,
+                    "finding",
+                    needs_steps=short[0],
+                )
+            )
+            continue
         if found and with_onsets:
             available = available or catalog.for_run(computed.context.run)
             found = onsets(rule, found, computed, config, available)
@@ -103,6 +116,20 @@ def evaluate_prefix(
 def _reads(rule: Rule, computed: Computed) -> list[str]:
     """The computed metrics a rule judges (its metric globs)."""
     return [m for m in computed.results if any(fnmatchcase(m, pattern) for pattern in rule.metrics)]
+
+
+def _too_short(
+    rule: Rule, computed: Computed, config: Config, reads: Sequence[str]
+) -> tuple[int, int] | None:
+    """(steps the rule judges from, steps its metrics have) when a rule with a `min_steps`
+    parameter has fewer: it did not judge (a run in progress, a short `--steps` range), which
+    is not the same as judging it healthy."""
+    if "min_steps" not in rule.params:
+        return None
+    override = config.findings.get(rule.id, {})
+    needed = math.ceil(float(override.get("min_steps", rule.params["min_steps"].default)))
+    have = max(len(computed.results[m].steps) for m in reads)
+    return (needed, have) if have < needed else None
 
 
 def judge(rule: Rule, computed: Computed, config: Config) -> list[Finding]:

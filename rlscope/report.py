@@ -82,6 +82,7 @@ class Skipped:
     layer: str = ""
     kind: str = "metric"  # or "finding"
     failed: bool = False  # a rule that raised: rlscope's bug, not the run's missing inputs
+    needs_steps: int | None = None  # a rule that judges from this many steps: not yet judged
 
 
 @dataclass(frozen=True)
@@ -220,25 +221,27 @@ class Report:
                 }
                 for m in self.metrics.values()
             },
-            "findings": [
-                {
-                    "id": f.id,
-                    "severity": f.severity,
-                    "layer": f.layer,
-                    "message": f.message,
-                    "remedy": f.remedy,
-                    "onset": f.onset,
-                    "last_good": f.last_good,
-                    "caused_by": list(f.caused_by),
-                    "evidence": json_safe(f.evidence),
-                }
-                for f in self.findings
-            ],
+            "findings": [finding_dict(f) for f in self.findings],
             "skipped": [{"metric": s.metric, "reason": s.reason} for s in self.skipped],
             "warnings": list(self.warnings),
             "notes": list(self.notes),
             "config": self.config,
         }
+
+
+def finding_dict(finding: Finding) -> dict[str, Any]:
+    """A finding as the report's JSON has it."""
+    return {
+        "id": finding.id,
+        "severity": finding.severity,
+        "layer": finding.layer,
+        "message": finding.message,
+        "remedy": finding.remedy,
+        "onset": finding.onset,
+        "last_good": finding.last_good,
+        "caused_by": list(finding.caused_by),
+        "evidence": json_safe(finding.evidence),
+    }
 
 
 def json_safe(value: Any) -> Any:

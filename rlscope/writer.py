@@ -1,251 +1,76 @@
-"""RunWriter: what a training loop calls to log format-v1 Parquet, crash-safely."""
+"""RunWriter: what a training loop calls to log format-v1 Parquet, crash-safely, and to judge it."""
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
-import threading
-from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-import polars as pl
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from rlscope.atomic import atomic_write
-from rlscope.schema import RUN_FIELDS, RUN_JSON, SCHEMA_VERSION, TABLES
-
-# Rows buffered per table before a flush writes one file (one row group of this size, or for
-# the tokens table a row group per step where steps are large enough).
-DEFAULT_FLUSH_ROWS = {"steps": 10_000, "rollouts": 200_000, "tokens": 1_000_000, "probes": 200_000}
-#: A step's token rows get a row group of their own when there are at least this many: its
-#: statistics then say it holds one step, and the token scan does not decode the step column
-#: (rlscope.tokenscan.reduce._step_spans). Smaller ones share a row group with their neighbours
-#: (many small row groups cost more to read than the step column saves).
-STEP_ROW_GROUP_ROWS = 65_536
-
-TableLike = Any  # dict of columns, list of row dicts, pyarrow.Table, polars.DataFrame, pandas
+from rlscope.catalog import Catalog
+from rlscope.config import Config
+from rlscope.live import NEVER, Judgement, LiveJudge, StopOn
+from rlscope.spec import Finding
+from rlscope.tablewriter import TableWriter
 
 
-def _to_polars(data: TableLike) -> pl.DataFrame:
-    if isinstance(data, pl.DataFrame):
-        return data
-    if isinstance(data, pa.Table | pa.RecordBatch):
-        return pl.from_arrow(data)  # type: ignore[return-value]
-    if isinstance(data, Mapping):
-        columns = {}
-        for name, col in data.items():
-            if hasattr(col, "detach"):  # torch tensor
-                col = col.detach().cpu().numpy()
-            if isinstance(col, np.ndarray):
-                # Copy: polars wraps numpy buffers zero-copy, and a training loop that reuses
-                # its arrays would otherwise rewrite rows still waiting in the buffer.
-                col = col.copy()
-                if col.ndim == 0:
-                    col = col.reshape(1)
-            columns[name] = col
-        return pl.DataFrame(columns)
-    if isinstance(data, Sequence) and not isinstance(data, str | bytes):
-        return pl.from_dicts(list(data)) if data else pl.DataFrame()
-    if hasattr(data, "to_dict") and hasattr(data, "columns"):  # pandas
-        return pl.from_pandas(data)
-    raise TypeError(
-        f"cannot log {type(data).__name__}: pass a dict of columns, a list of row "
-        "dicts, a pyarrow Table or a polars DataFrame"
-    )
+class RunWriter(TableWriter):
+    """Buffers rows per table and writes zstd Parquet files under temporary names, then renames
+    (see TableWriter); `judge()` judges what was written so far (see LiveJudge).
 
+    In a training loop::
 
-def _conform(table: str, frame: pl.DataFrame) -> pl.DataFrame:
-    """Check required columns and cast known columns to their format-v1 types."""
-    spec = TABLES[table]
-    missing = [c for c in spec.required_columns if c not in frame.columns]
-    if missing:
-        raise ValueError(f"log_{table}: missing required column(s) {', '.join(missing)}")
-    targets: dict[str, pl.DataType] = {}
-    for name in frame.columns:
-        col = spec.column(name)
-        if col is None or frame.schema[name] == col.dtype:
-            continue
-        targets[name] = pl.String() if isinstance(col.dtype, pl.Categorical) else col.dtype
-    if not targets:
-        return frame
-    try:
-        out = frame.with_columns(pl.col(n).cast(t, strict=True) for n, t in targets.items())
-    except pl.exceptions.PolarsError as exc:
-        raise ValueError(
-            f"log_{table}: a column cannot be cast to its format-v1 type: {exc}"
-        ) from exc
-    # Some casts "succeed" without producing the target type (a struct casts field by field).
-    wrong = [n for n, t in targets.items() if out.schema[n] != t]
-    if wrong:
-        raise ValueError(
-            f"log_{table}: column(s) {', '.join(wrong)} cannot be cast to their format-v1 type"
-        )
-    return out
+        writer = RunWriter("runs/x", algorithm="GRPO", group_size=8, stop_on="critical")
+        for step in range(steps):
+            ...
+            writer.log_step(step, loss=loss, grad_norm=grad_norm, kl=kl)
+            writer.log_rollouts(rollouts)
+            if step % 10 == 0:
+                for finding in writer.judge():       # the findings raised since the last call
+                    print(finding.severity, finding.id, finding.message)
+                if writer.stop is not None:          # stop.json is in runs/x
+                    break
+        writer.close()
 
-
-class RunWriter:
-    """Buffers rows per table and writes zstd Parquet files under temporary names, then renames.
-
-    One file per flush: `<run_dir>/<table>/r<rank>-<seq>.parquet`. A crash loses at most the
-    unflushed buffer; a file under a final name is always complete. Thread-safe; several ranks
-    may write into one run directory (pass `rank`).
+    `stop_on` (`never`, a severity, or finding ids), `config`, `catalog` and `cache_dir` are
+    the judge's; every other keyword is a run.json field.
     """
 
     def __init__(
         self,
         run_dir: str | os.PathLike[str],
         *,
-        run_id: str | None = None,
-        algorithm: str = "unknown",
-        rank: int = 0,
-        flush_rows: Mapping[str, int] | None = None,
+        stop_on: StopOn = NEVER,
+        config: Config | None = None,
+        catalog: Catalog | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         **meta: Any,
     ) -> None:
-        known = {f.name for f in RUN_FIELDS} - {"schema_version"}  # set by the writer only
-        unknown = sorted(set(meta) - known)
-        if unknown:
-            raise TypeError(f"unknown run.json field(s): {', '.join(unknown)}")
-        self.run_dir = Path(run_dir)
-        self.rank = int(rank)
-        self.flush_rows = {**DEFAULT_FLUSH_ROWS, **(flush_rows or {})}
-        self._buffers: dict[str, list[pl.DataFrame]] = {t: [] for t in TABLES}
-        self._buffered: dict[str, int] = dict.fromkeys(TABLES, 0)
-        # Zero-row frame with the merged schema of each table's buffer.
-        self._shapes: dict[str, pl.DataFrame] = {t: pl.DataFrame() for t in TABLES}
-        self._seq = 0
-        self._lock = threading.RLock()
-        self._closed = False
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        run_json = self.run_dir / RUN_JSON
-        if not run_json.exists():
-            doc = {
-                "schema_version": SCHEMA_VERSION,
-                "run_id": run_id or self.run_dir.resolve().name,
-                "algorithm": algorithm,
-                **{k: v for k, v in meta.items() if v is not None},
-            }
-            atomic_write(run_json, json.dumps(doc, indent=2) + "\n")
-        # Continue numbering after files an earlier process of this rank left behind.
-        prefix = f"r{self.rank:03d}-"
-        for table in TABLES:
-            for path in (self.run_dir / table).glob(f"{prefix}*.parquet"):
-                try:
-                    self._seq = max(self._seq, int(path.stem[len(prefix) :]))
-                except ValueError:
-                    continue
+        super().__init__(run_dir, **meta)
+        self._judge_options: dict[str, Any] = {
+            "stop_on": stop_on,
+            "config": config,
+            "catalog": catalog,
+            "cache_dir": cache_dir,
+        }
+        self._judge: LiveJudge | None = None
+        if stop_on != NEVER:  # a wrong stop_on fails here, not at the first judgement
+            self._judge = LiveJudge(self.run_dir, **self._judge_options)
 
-    def log_step(self, step: int, **metrics: float) -> None:
-        """One optimizer step's trainer metrics (`loss`, `grad_norm`, `kl`, ...)."""
-        row = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
-        self._append("steps", pl.DataFrame([row]))
+    def judge(self) -> list[Finding]:
+        """Flush, judge the run written so far, and return the findings raised since the last
+        call (each once; again only at a higher severity). Never raises for the run's sake: a
+        judgement that fails is logged and `judgement.error` says why."""
+        self.flush()
+        if self._judge is None:
+            self._judge = LiveJudge(self.run_dir, **self._judge_options)
+        return list(self._judge.judge().new)
 
-    def log_rollouts(self, data: TableLike) -> None:
-        """Rollout rows: dict of columns, list of row dicts, Arrow or Polars frame."""
-        self._append("rollouts", _to_polars(data))
+    @property
+    def judgement(self) -> Judgement | None:
+        """The last judgement (all findings, what cleared, rlscope's metrics, its cost)."""
+        return self._judge.last if self._judge is not None else None
 
-    def log_tokens(self, data: TableLike) -> None:
-        """Token rows (numpy arrays are fine; torch tensors via `.numpy()`)."""
-        self._append("tokens", _to_polars(data))
-
-    def log_probes(self, data: TableLike) -> None:
-        """Faithfulness-probe rows."""
-        self._append("probes", _to_polars(data))
-
-    def _append(self, table: str, frame: pl.DataFrame) -> None:
-        if frame.height == 0:
-            return
-        frame = _conform(table, frame)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("RunWriter is closed")
-            # Reject a batch the buffer could never be concatenated with, instead of buffering
-            # it and making every later flush (and close) of this table fail.
-            try:
-                shape = pl.concat([self._shapes[table], frame.clear()], how="diagonal_relaxed")
-            except pl.exceptions.PolarsError as exc:
-                raise ValueError(
-                    f"log_{table}: columns incompatible with rows already buffered: {exc}"
-                ) from exc
-            self._shapes[table] = shape
-            self._buffers[table].append(frame)
-            self._buffered[table] += frame.height
-            if self._buffered[table] >= self.flush_rows[table]:
-                self._flush_table(table)
-
-    def flush(self) -> None:
-        """Write every buffered row to disk now."""
-        with self._lock:
-            for table in TABLES:
-                self._flush_table(table)
-
-    def _flush_table(self, table: str) -> None:
-        if not self._buffers[table]:
-            return
-        frame = pl.concat(self._buffers[table], how="diagonal_relaxed")
-        self._seq += 1
-        path = self.run_dir / table / f"r{self.rank:03d}-{self._seq:06d}.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            table_data = frame.to_arrow()
-            # Float columns: byte-stream-split + zstd is ~1/3 smaller than dictionary + zstd.
-            floats = [f.name for f in table_data.schema if pa.types.is_floating(f.type)]
-            with pq.ParquetWriter(
-                tmp,
-                table_data.schema,
-                compression="zstd",
-                use_byte_stream_split=floats or False,
-                use_dictionary=[n for n in table_data.column_names if n not in floats],
-            ) as parquet:
-                bounds = row_group_bounds(frame) if table == "tokens" else [0, frame.height]
-                for start, end in itertools.pairwise(bounds):
-                    parquet.write_table(table_data.slice(start, end - start), max(1, end - start))
-            with open(tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        # Only forget the rows once they are safely on disk: a failed write can be retried.
-        self._buffers[table] = []
-        self._buffered[table] = 0
-        self._shapes[table] = pl.DataFrame()
-
-    def close(self) -> None:
-        """Flush and stop accepting rows. Idempotent."""
-        with self._lock:
-            if not self._closed:
-                self.flush()
-                self._closed = True
-
-    def __enter__(self) -> RunWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def row_group_bounds(frame: pl.DataFrame) -> list[int]:
-    """Row offsets cutting a token frame into row groups: each run of one step of at least
-    STEP_ROW_GROUP_ROWS rows a row group of its own, the rows between such runs one row group
-    (unsorted or small steps: one row group, as a single group would be)."""
-    bounds = [0]
-    if "step" in frame.columns:
-        end = 0
-        for length in frame["step"].rle().struct.field("len").to_list():
-            start, end = end, end + length
-            if length >= STEP_ROW_GROUP_ROWS:
-                bounds += [start, end] if start != bounds[-1] else [end]
-    if len(bounds) == 1 or bounds[-1] != frame.height:
-        bounds.append(frame.height)  # the rows after the last large step (or all of them)
-    return bounds
-
-
-def _scalar(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    return value
+    @property
+    def stop(self) -> Finding | None:
+        """The finding `stop_on` stops the run for, once a judgement raised one (stop.json is
+        then in the run directory)."""
+        return self._judge.stop if self._judge is not None else None

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlscope import writer as writer_module
+from rlscope import tablewriter as writer_module
 from rlscope.schema import RUN_JSON, SCHEMA_VERSION, TABLES
 from rlscope.writer import RunWriter
 

@@ -25,7 +25,7 @@ from rlscope.importers.manifest import (
 )
 from rlscope.importers.options import Option
 from rlscope.schema import RUN_JSON, TABLES
-from rlscope.writer import RunWriter
+from rlscope.tablewriter import TableWriter
 
 #: rollout_id = namespace * NAMESPACE + step * STEP + index within the step.
 STEP = 1_000_000
@@ -144,7 +144,7 @@ class Session:
 
     Importers read `source` and `options`, call `add_rollouts` / `add_steps` with frames,
     `file_done` after each source file and `checkpoint` when a flush would be safe; the
-    session writes through RunWriter and keeps OUT/import.json in step with what is on disk."""
+    session writes through TableWriter and keeps OUT/import.json in step with what is on disk."""
 
     importer: Importer
     source: Path
@@ -170,7 +170,7 @@ class Session:
     _seen: set[tuple[str, int]] = field(default_factory=set)
     _skipped: set[tuple[str, int]] = field(default_factory=set)
     _unchanged_steps: int = 0
-    _writer: RunWriter | None = None
+    _writer: TableWriter | None = None
     _dirty: bool = False
 
     # -- setup --
@@ -427,14 +427,14 @@ class Session:
                 meta[name] = self.options[name]
         return meta
 
-    def _open_writer(self) -> RunWriter:
+    def _open_writer(self) -> TableWriter:
         if self._writer is not None:
             return self._writer
         meta = self._run_meta()
         run_json = self.out / RUN_JSON
         if run_json.exists():
             self._complete_run_json(run_json, meta)
-        self._writer = RunWriter(
+        self._writer = TableWriter(
             self.out,
             run_id=self.options.get("run_id") or default_run_id(self.source),
             algorithm=self.options.get("algorithm") or self.importer.default_algorithm,

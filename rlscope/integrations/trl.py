@@ -80,8 +80,11 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from rlscope.catalog import default_catalog
+from rlscope.config import Config
 from rlscope.importers._common import accuracy_like
 from rlscope.importers.text import prompt_id
+from rlscope.live import METRIC_PREFIX, NEVER, Judgement, StopOn, StopPolicy
 from rlscope.schema import RUN_FIELDS
 from rlscope.writer import RunWriter
 
@@ -130,6 +133,10 @@ _LENGTH_KEYS = ("completions/mean_length",)
 _LENGTH_RENAME = "{}_logged"
 #: Buffer attribute names of TRL's GRPOTrainer, newest first.
 _BUFFERS = ("_logs", "_textual_logs")
+#: Steps between judgements when stopping is asked for and `judge_every` is not given.
+DEFAULT_JUDGE_EVERY = 10
+#: HF callbacks that print logs to the console: rlscope's metrics are not printed.
+_PRINTERS = {"ProgressCallback", "PrinterCallback", "NotebookProgressCallback"}
 _WRITER_OPTIONS = {"run_id", "algorithm", "rank", "flush_rows"}
 _DEFAULT_FLUSH_ROWS = {"rollouts": 20_000}  # rows hold completion text: bound the memory
 
@@ -155,6 +162,11 @@ class RlscopeCallback(_CallbackBase):
         num_generations: int | None = None,
         keep_text: bool = True,
         eval_split: str = "eval_id",
+        judge_every: int | None = None,
+        stop_on: StopOn = NEVER,
+        log_metrics: bool = True,
+        config: Config | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         **run_meta: Any,
     ) -> None:
         known = _WRITER_OPTIONS | {f.name for f in RUN_FIELDS} - {"schema_version"}
@@ -163,6 +175,20 @@ class RlscopeCallback(_CallbackBase):
             raise TypeError(f"RlscopeCallback: unknown run.json field(s): {', '.join(unknown)}")
         if not eval_split.startswith("eval_"):
             raise ValueError(f"eval_split must start with 'eval_', got {eval_split!r}")
+        if judge_every is None and stop_on != NEVER:
+            judge_every = DEFAULT_JUDGE_EVERY
+        if judge_every is not None and judge_every < 1:
+            raise ValueError(f"judge_every must be a positive number of steps, got {judge_every}")
+        StopPolicy.parse(stop_on, default_catalog())  # a wrong stop_on fails here, not mid-run
+        self.judge_every = judge_every
+        self.stop_on = stop_on
+        self.log_metrics = log_metrics
+        self.judge_options: dict[str, Any] = {
+            "stop_on": stop_on, "config": config, "cache_dir": cache_dir
+        }  # fmt: skip
+        self.judgements: list[Judgement] = []  # every judgement made, in order
+        self._judged_step: int | None = None
+        self._last_step: int | None = None  # the last step logged
         self.run_dir = Path(run_dir)
         self.run_meta = dict(run_meta)
         self.trainer = trainer
@@ -212,10 +238,10 @@ class RlscopeCallback(_CallbackBase):
     ) -> None:
         if not _is_main(state) or self.closed or not logs:
             return
-        if _SUMMARY_KEYS & set(logs):
-            return
+        if _SUMMARY_KEYS & set(logs) or all(str(k).startswith(METRIC_PREFIX) for k in logs):
+            return  # the end-of-training summary, or rlscope's own metrics sent to the loggers
         writer = self._open(args, kwargs)
-        step = _step(state)
+        step = self._last_step = _step(state)
         if self._pending is not None and self._pending["step"] != step:
             self._emit_pending()
         if self._pending is None:
@@ -223,6 +249,8 @@ class RlscopeCallback(_CallbackBase):
         self._pending.update(self._step_columns(logs))
         is_eval = any(str(k).startswith("eval_") for k in logs)
         self._log_completions(writer, step, self.eval_split if is_eval else "train", args)
+        if not is_eval and self.judge_every is not None and step % self.judge_every == 0:
+            self._judge(args, state, control, step)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # A checkpoint is a good moment to make everything so far durable.
@@ -239,6 +267,9 @@ class RlscopeCallback(_CallbackBase):
             return
         if self.writer is not None:
             self._emit_pending()
+            last = self._last_step
+            if self.judge_every is not None and last is not None and last != self._judged_step:
+                self._judgement(last)  # the end of the run judged too (its findings logged)
             self.writer.close()
             if self._next_rollout_id == self._first_rollout_id:
                 self._warn_once(
@@ -283,8 +314,51 @@ class RlscopeCallback(_CallbackBase):
             meta.setdefault("max_grad_norm", clip)
         meta.update(self._correctness_meta(meta))
         self._next_rollout_id = self._first_rollout_id = _next_rollout_id(self.run_dir)
-        self.writer = RunWriter(self.run_dir, **meta)
+        self.writer = RunWriter(self.run_dir, **self.judge_options, **meta)
         return self.writer
+
+    def _judge(self, args: Any, state: Any, control: Any, step: int) -> None:
+        """Judge the run written so far; send rlscope's metrics to the trainer's loggers and,
+        when `stop_on` names a finding raised, stop training (with a checkpoint unless the
+        trainer saves none)."""
+        if step == self._judged_step:
+            return
+        judgement = self._judgement(step)
+        if judgement is None:
+            return
+        if self.log_metrics and judgement.metrics:
+            self._send_metrics(args, state, control, judgement.metrics)
+        if judgement.stop is not None and not control.should_training_stop:
+            control.should_training_stop = True
+            if str(getattr(args, "save_strategy", "steps")) not in ("no", "SaveStrategy.NO"):
+                control.should_save = True
+
+    def _judgement(self, step: int) -> Judgement | None:
+        if self.writer is None:
+            return None
+        self._emit_pending()
+        self._judged_step = step
+        self.writer.judge()
+        judgement = self.writer.judgement
+        if judgement is not None:
+            self.judgements.append(judgement)
+        return judgement
+
+    def _send_metrics(
+        self, args: Any, state: Any, control: Any, metrics: Mapping[str, float]
+    ) -> None:
+        """rlscope's metrics to the trainer's reporting callbacks (W&B, TensorBoard, MLflow…),
+        at this step, next to the trainer's own; not to the console printers, nor to the
+        trainer's log history (its trainer_state.json stays the trainer's)."""
+        handler = getattr(self.trainer, "callback_handler", None)
+        for callback in getattr(handler, "callbacks", None) or ():
+            if callback is self or type(callback).__name__ in _PRINTERS:
+                continue
+            try:
+                callback.on_log(args, state, control, logs=dict(metrics))
+            except Exception as exc:  # a logger's failure must not end the training
+                self._warn_once(f"send-{type(callback).__name__}", f"rlscope metrics not sent "
+                                f"to {type(callback).__name__}: {exc}")  # fmt: skip
 
     def _correctness_meta(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """run.json fields saying which reward function means correct, chosen as the TRL

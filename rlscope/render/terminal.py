@@ -239,9 +239,14 @@ def _findings(report: Report) -> Panel:
                     message,
                 )
     unchecked = [s for s in report.skipped if s.kind == "finding" and not s.failed]
-    if unchecked:
-        names = ", ".join(s.metric for s in unchecked)
-        body = Group(body, Text(safe_text(f"not checked (inputs missing): {names}"), style="dim"))
+    missing = [s.metric for s in unchecked if s.needs_steps is None]
+    if missing:
+        text = f"not checked (inputs missing): {', '.join(missing)}"
+        body = Group(body, Text(safe_text(text), style="dim"))
+    waiting = [f"{s.metric} ({s.needs_steps})" for s in unchecked if s.needs_steps is not None]
+    if waiting:
+        text = f"not judged yet (steps needed): {', '.join(waiting)}"
+        body = Group(body, Text(safe_text(text), style="dim"))
     return Panel(body, title="Findings", title_align="left")
 
 

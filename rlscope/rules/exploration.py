@@ -35,13 +35,42 @@ def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
     return [int(i) for i in clusters["rollout_id"][0][:8]]
 
 
+def _converged_share(ctx: RuleContext, mode_share: float) -> float | None:
+    """Of the train groups of the rows kept (the final window) whose largest identical cluster
+    is at least `mode_share` of the group, the share whose largest cluster is correct (on a tie,
+    a correct one). None without such groups or without correctness."""
+    rows = ctx.rollout_rows()
+    if rows is None or "correct" not in rows.columns or "trajectory_key" not in rows.columns:
+        return None
+    clusters = (
+        rows.filter((pl.col("split") == "train") & pl.col("trajectory_key").is_not_null())
+        .group_by("step", "prompt_id", "trajectory_key")
+        .agg(pl.len().alias("size"), pl.col("correct").cast(pl.Float64).mean().alias("correct"))
+        .sort("size", "correct", descending=True, nulls_last=True)
+    )
+    groups = (
+        clusters.group_by("step", "prompt_id")
+        .agg(
+            pl.col("size").first().alias("largest"),
+            pl.col("size").sum().alias("n"),
+            pl.col("correct").first().alias("mode_correct"),
+        )  # fmt: skip
+        .filter(
+            (pl.col("largest") >= mode_share * pl.col("n")) & pl.col("mode_correct").is_not_null()
+        )
+    )
+    if groups.height == 0:
+        return None
+    return float((groups["mode_correct"] >= 0.5).mean())  # type: ignore[arg-type]
+
+
 @DECLARED.rule(
     "diversity-collapse",
     brief=(
         "within-group diversity of whole trajectories (text with actions and arguments, never "
         "coarse action names alone) down ≥ 50% from a first-fifth level ≥ 0.1 to the last fifth, "
-        "significantly (critical when the largest identical cluster is ≥ half a group); names an "
-        "identical cluster"
+        "significantly (critical when the largest identical cluster is ≥ half a group, unless "
+        "that cluster is a correct answer in nearly all of them); names an identical cluster"
     ),
     layer="L4",
     title="Rollouts of a prompt collapse toward one mode",
@@ -55,7 +84,13 @@ def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
     "z-score uses the run's own step-to-step noise, so it holds at any group size and batch; "
     "the drop is a share of the run's own level, so at any text length. Critical when the final "
     "share of a group in its largest identical cluster (exploration.cluster_sizes) is at least "
-    "`critical_mode_share`. A group of near-copies gives GRPO no contrast to learn from and the "
+    "`critical_mode_share` — unless in at least `converged_share` of those collapsed groups "
+    "the largest cluster is a correct answer: the policy converged on the answer of prompts it "
+    "has learnt, which is the goal on a task with one answer (a 2-token answer has nothing "
+    "else to vary), and such a collapse is `info`. A collapse onto wrong answers keeps the "
+    "group from learning and stays critical; measured on genuine TRL runs, the largest cluster "
+    "is correct in 100% of the collapsed groups of a healthy run and in 4% after a learning-"
+    "rate collapse. A group of near-copies gives GRPO no contrast to learn from and the "
     "policy stops finding new solutions; healthy runs alternate exploitation and exploration "
     "rather than collapsing monotonically. The evidence names the largest identical cluster of "
     "the last step.",
@@ -72,6 +107,9 @@ def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
         "min_initial": Param(0.1, "first-fifth diversity below this is no level to lose"),
         "z": Param(2.0, "significance of the fall (z-score)"),
         "critical_mode_share": Param(0.5, "final largest-cluster share for a critical finding"),
+        "converged_share": Param(
+            0.9, "share of the collapsed groups whose mode is correct for an info finding"
+        ),
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
     },
 )
@@ -97,8 +135,11 @@ def diversity_collapse(ctx: RuleContext) -> Iterator[Finding]:
     modes = ctx.series("exploration.cluster_sizes")
     mode_share = final_mean(modes) if modes is not None and len(modes) else None
     severity: Severity | None = None
+    converged = None
     if mode_share is not None and mode_share >= p["critical_mode_share"]:
-        severity = "critical"
+        converged = _converged_share(ctx, p["critical_mode_share"])
+        on_answer = converged is not None and converged >= p["converged_share"]
+        severity = "info" if on_answer else "critical"
     ids = _collapsed_group(ctx, int(series.steps[-1]))
     decline = ctx.results[metric_id].extra.get("decline", {}).get("shape")
     yield ctx.finding(
@@ -111,12 +152,19 @@ def diversity_collapse(ctx: RuleContext) -> Iterator[Finding]:
             else ""
         )
         + (f"; e.g. identical rollouts {', '.join(map(str, ids))}" if len(ids) > 1 else "")
+        + (
+            f"; in {pct(converged)} of the collapsed groups it is a correct answer: "
+            "converged on the answer"
+            if severity == "info" and converged is not None
+            else ""
+        )
         + ".",
         severity=severity,
         first=w.first,
         last=w.last,
         z=w.z,
         mode_share=mode_share,
+        converged_share=converged,
         decline=decline,
         steps=[w.first_steps[0], w.last_steps[1]],
         rollout_ids=ids,

@@ -1,4 +1,4 @@
-"""generate(): a scenario written as a format-v1 run, batch by batch, with RunWriter."""
+"""generate(): a scenario written as a format-v1 run, batch by batch, with TableWriter."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from rlscope.synth.world import (
     _World,
     _world,
 )
-from rlscope.writer import RunWriter
+from rlscope.tablewriter import TableWriter
 
 _COLUMNS = (
     "rollout_id",
@@ -125,7 +125,7 @@ def generate(
     world = _world(sc, latent_rng, pool.ids.size, max(EVAL_PROMPTS, prompts_per_step))
     spikes = {round(u * (steps - 1)) for u in sc.grad_spikes}
     next_eval_id = EVAL_ID_OFFSET
-    with RunWriter(
+    with TableWriter(
         out,
         run_id=f"synth-{scenario}",
         algorithm="GRPO",

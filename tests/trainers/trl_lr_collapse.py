@@ -22,13 +22,22 @@ MODE (measured with the defaults, seed 0, 50 steps, ~14 s each on one thread):
             3.5, 3.7) and 0.03 over steps 41-50.
 Seeds 1 and 2 (SEED) give the same picture. Deterministic for a seed on one machine.
 
-Usage: python trl_lr_collapse.py OUT_DIR {healthy,too-high,jump} [STEPS]  (STEPS defaults to 50)
+With `--judge RUN_DIR STOP_ON EVERY` the run also carries rlscope's RlscopeCallback writing
+RUN_DIR, judging every EVERY steps and stopping on STOP_ON (`never`, `critical`, ids joined by
+commas); the trainer may then save a checkpoint (save_steps past the run: only a stop saves one).
+The last line printed is JSON: the steps trained, the training time, and each judgement's step,
+seconds and findings.
+
+Usage: python trl_lr_collapse.py OUT_DIR {healthy,too-high,jump} [STEPS] [--judge RUN_DIR STOP_ON
+EVERY]  (STEPS defaults to 50)
 """
 
 from __future__ import annotations
 
+import json
 import random
 import sys
+import time
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -139,7 +148,7 @@ def format_reward(completions: list[str], **_: Any) -> list[float]:
     return [0.25 if len(c.split()) == 2 else 0.0 for c in completions]
 
 
-def main(out: Path, mode: str, steps: int) -> None:
+def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
     tokenizer = _tokenizer()
@@ -170,7 +179,8 @@ def main(out: Path, mode: str, steps: int) -> None:
         logging_steps=1,
         log_completions=True,
         report_to=[],
-        save_strategy="no",
+        save_strategy="steps" if judge else "no",
+        save_steps=10 * steps,
         use_cpu=True,
         seed=SEED,
         disable_tqdm=True,
@@ -179,6 +189,19 @@ def main(out: Path, mode: str, steps: int) -> None:
         # TRL builds the KL reference from the policy's config._name_or_path: load from disk.
         sft.save_pretrained(sft_dir)
         model = Qwen2ForCausalLM.from_pretrained(sft_dir)
+        callbacks = []
+        if judge:
+            from rlscope.integrations.trl import RlscopeCallback
+
+            run_dir, stop_on, every = judge
+            callbacks.append(
+                RlscopeCallback(
+                    run_dir,
+                    correct_reward="accuracy_reward",
+                    judge_every=int(every),
+                    stop_on=stop_on if stop_on in ("never", "critical") else stop_on.split(","),
+                )
+            )
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=[accuracy_reward, format_reward],
@@ -186,12 +209,29 @@ def main(out: Path, mode: str, steps: int) -> None:
             train_dataset=Dataset.from_list(_prompts()),
             processing_class=tokenizer,
             optimizers=_jump_optimizers(model) if mode == "jump" else (None, None),
+            callbacks=callbacks,
         )
+        started = time.perf_counter()
         trainer.train()
+        seconds = time.perf_counter() - started
     trainer.save_state()  # OUT/trainer_state.json
+    judgements = [
+        {"step": j.step, "seconds": j.seconds, "findings": [f.id for f in j.findings]}
+        for c in callbacks
+        for j in c.judgements
+    ]
+    summary = {"steps": trainer.state.global_step, "seconds": seconds, "judgements": judgements}
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[2] not in MODES:
-        sys.exit(f"usage: python {Path(__file__).name} OUT_DIR {{{','.join(MODES)}}} [STEPS]")
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 50)
+    argv, judge = sys.argv[1:], None
+    if "--judge" in argv:
+        at = argv.index("--judge")
+        argv, judge = argv[:at], argv[at + 1 : at + 4]
+    if len(argv) < 2 or argv[1] not in MODES or (judge is not None and len(judge) != 3):
+        sys.exit(
+            f"usage: python {Path(__file__).name} OUT_DIR {{{','.join(MODES)}}} [STEPS] "
+            "[--judge RUN_DIR STOP_ON EVERY]"
+        )
+    main(Path(argv[0]), argv[1], int(argv[2]) if len(argv) > 2 else 50, judge)
