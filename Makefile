@@ -74,6 +74,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_analyze.py
 	$(BIN)/python benchmarks/bench_text.py
 	$(BIN)/python benchmarks/bench_report.py
+	$(BIN)/python benchmarks/bench_live.py
 
 clean:
 	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .ruff_cache

@@ -92,10 +92,10 @@ SECTION = "## report against analyze / compare"
 
 
 def write_section(path: Path, lines: list[str]) -> None:
-    """`lines` (a section starting with SECTION) in place of that section of `path`, or at its
-    end; the rest of the file as it was."""
+    """`lines` (a section: its first line the `## ` heading) in place of that section of
+    `path`, or at its end; the rest of the file as it was."""
     text = path.read_text() if path.exists() else ""
-    head, _, tail = text.partition(SECTION)
+    head, _, tail = text.partition(lines[0])
     rest = tail.split("\n## ", 1)[1] if "\n## " in tail else ""
     kept = head.rstrip("\n") + ("\n\n## " + rest.rstrip("\n") if rest else "")
     path.write_text((kept + "\n\n" if kept else "") + "\n".join(lines) + "\n")

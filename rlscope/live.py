@@ -142,10 +142,10 @@ class LiveJudge:
             if error not in self._errors:
                 self._errors.add(error)
                 log.warning("rlscope: could not judge %s yet (%s)", self.run_dir, error)
+            seconds = time.perf_counter() - started
             judgement = Judgement(
-                None, stop=self.stop, last_good=self.last_good, error=error,
-                seconds=time.perf_counter() - started,
-            )  # fmt: skip
+                None, stop=self.stop, last_good=self.last_good, error=error, seconds=seconds
+            )
         self.last = judgement
         return judgement
 

@@ -184,8 +184,10 @@ class RlscopeCallback(_CallbackBase):
         self.stop_on = stop_on
         self.log_metrics = log_metrics
         self.judge_options: dict[str, Any] = {
-            "stop_on": stop_on, "config": config, "cache_dir": cache_dir
-        }  # fmt: skip
+            "stop_on": stop_on,
+            "config": config,
+            "cache_dir": cache_dir,
+        }
         self.judgements: list[Judgement] = []  # every judgement made, in order
         self._judged_step: int | None = None
         self._last_step: int | None = None  # the last step logged
@@ -357,8 +359,8 @@ class RlscopeCallback(_CallbackBase):
             try:
                 callback.on_log(args, state, control, logs=dict(metrics))
             except Exception as exc:  # a logger's failure must not end the training
-                self._warn_once(f"send-{type(callback).__name__}", f"rlscope metrics not sent "
-                                f"to {type(callback).__name__}: {exc}")  # fmt: skip
+                name = type(callback).__name__
+                self._warn_once(f"send-{name}", f"rlscope metrics not sent to {name}: {exc}")
 
     def _correctness_meta(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """run.json fields saying which reward function means correct, chosen as the TRL

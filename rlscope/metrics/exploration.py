@@ -34,7 +34,9 @@ def _trajectory_key(ctx: MetricContext) -> dict[str, pl.Expr]:
         parts.append(text.sequence_key(pl.col("tool_calls")).fill_null(0))
     key = parts[0] if len(parts) == 1 else pl.struct(*parts).hash()
     # A response that is null has no trajectory to compare (left out, as before).
-    keys = {"trajectory_key": pl.when(pl.col(text.PLAIN).is_not_null()).then(key)}
+    keys: dict[str, pl.Expr] = {
+        "trajectory_key": pl.when(pl.col(text.PLAIN).is_not_null()).then(key)
+    }
     if ctx.run.has("rollouts", "correct"):  # diversity-collapse tells solved groups apart
         keys["correct"] = pl.col("correct")
     return keys

@@ -54,7 +54,7 @@ def _converged_share(ctx: RuleContext, mode_share: float) -> float | None:
             pl.col("size").first().alias("largest"),
             pl.col("size").sum().alias("n"),
             pl.col("correct").first().alias("mode_correct"),
-        )  # fmt: skip
+        )
         .filter(
             (pl.col("largest") >= mode_share * pl.col("n")) & pl.col("mode_correct").is_not_null()
         )

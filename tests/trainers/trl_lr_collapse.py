@@ -37,8 +37,8 @@ from __future__ import annotations
 import json
 import random
 import sys
-import time
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
