@@ -40,8 +40,10 @@ $(TRL_STAMP): Makefile pyproject.toml
 	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
 		torch==2.13.0 transformers==5.25.0 trl==1.16.0 datasets accelerate tokenizers
-	# rlscope itself, for the trainers that run its callback (tests/test_live.py)
-	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e .
+	# rlscope itself, for the trainers that run its callback (tests/test_live.py), and
+	# TensorBoard, which the callback sends rlscope's metrics to
+	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e . \
+		"tensorboard>=2.14"
 	touch $(TRL_STAMP)
 
 # The slow matrices (larger healthy-shape runs, a real TRL run); CI runs them after `make test`.

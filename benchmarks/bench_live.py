@@ -78,7 +78,7 @@ def main() -> None:
         os.environ["RLSCOPE_CACHE_DIR"] = str(Path(tmp) / "cache")
         judged = replay(source, Path(tmp) / "run", args.every)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    marks = sorted({args.every, *(s for s, _, _ in judged if s % (args.steps // 4) == 0)})
+    marks = sorted({args.every, *(s for s, _, _ in judged if s % (args.steps // 8) == 0)})
     lines = [
         SECTION,
         "",
@@ -94,8 +94,12 @@ def main() -> None:
     ]
     lines += [f"| {s} | {t:.2f} | {n} |" for s, t, n in judged if s in marks]
     total = sum(t for _, t, _ in judged)
-    average = total / len(judged)
-    lines += ["", f"All {len(judged)} judgements: {total:.1f} s in all, {average:.2f} s each."]
+    slowest = max(judged, key=lambda j: j[1])
+    lines += [
+        "",
+        f"All {len(judged)} judgements: {total:.1f} s in all, {total / len(judged):.2f} s on "
+        f"average, the slowest {slowest[1]:.2f} s (step {slowest[0]}).",
+    ]
     write_section(args.out, lines)
     print("\n".join(lines))
 

@@ -19,7 +19,14 @@ import pytest
 from rlscope.analysis import analyze
 from rlscope.errors import RlscopeError
 from rlscope.integrations.trl import RlscopeCallback
-from rlscope.live import METRIC_PREFIX, STOP_FILE, LiveJudge, latest_metrics, stop_record
+from rlscope.live import (
+    METRIC_PREFIX,
+    STOP_FILE,
+    Judgement,
+    LiveJudge,
+    latest_metrics,
+    stop_record,
+)
 from rlscope.spec import Finding
 from rlscope.synth.build import generate
 from rlscope.writer import RunWriter
@@ -33,11 +40,9 @@ def _source(tmp_path: Path, scenario: str, steps: int = 30) -> Path:
     return path
 
 
-def _replay(
-    source: Path, out: Path, every: int, **judge: Any
-) -> list[tuple[int, list[Finding], dict[str, float]]]:
+def _replay(source: Path, out: Path, every: int, **judge: Any) -> list[tuple[int, Judgement]]:
     """Write `source` into `out` step by step with RunWriter, as a training loop would, judging
-    every `every` steps; returns (step, new findings, the judgement's metrics) per judgement."""
+    every `every` steps; returns (step, judgement) per judgement."""
     meta = json.loads((source / "run.json").read_text())
     meta.pop("schema_version")
     frames = {t: pl.read_parquet(source / t / "*.parquet") for t in TABLES if (source / t).is_dir()}
@@ -58,7 +63,8 @@ def _replay(
             if step % every == 0:
                 new = writer.judge()
                 assert writer.judgement is not None and writer.judgement.error is None
-                judged.append((step, new, writer.judgement.metrics))
+                assert new == list(writer.judgement.new)
+                judged.append((step, writer.judgement))
                 if writer.stop is not None:
                     break
     return judged
@@ -73,21 +79,24 @@ def test_each_judgement_is_the_full_analysis_at_its_step(tmp_path: Path) -> None
     the same onset and message; the metrics sent to the trainer are that analysis' values."""
     source = _source(tmp_path, "entropy-collapse")
     out = tmp_path / "live"
-    judge = LiveJudge(out)
-    announced: set[str] = set()
     judged = _replay(source, out, 5)
-    assert [s for s, _, _ in judged] == [0, 5, 10, 15, 20, 25]  # synth counts from 0
-    for step, new, metrics in judged:
+    assert [s for s, _ in judged] == [0, 5, 10, 15, 20, 25]  # synth counts from 0
+    announced: set[str] = set()
+    for step, judgement in judged:
         full = analyze(out, steps=(None, step))
-        assert {f.id for f in new} <= {f.id for f in full.findings}
-        announced |= {f.id for f in new}
+        assert judgement.step == step
+        assert [_key(f) for f in judgement.findings] == [_key(f) for f in full.findings]
+        assert [f.caused_by for f in judgement.findings] == [f.caused_by for f in full.findings]
+        assert {f.id for f in judgement.new} <= {f.id for f in full.findings}
+        announced |= {f.id for f in judgement.new}
+        metrics = judgement.metrics
         assert metrics == latest_metrics(full)
         assert metrics[f"{METRIC_PREFIX}behavior.entropy_p80"] == pytest.approx(
             full.metrics["behavior.entropy_p80"].values[-1]
         )
         assert not any(k.startswith(f"{METRIC_PREFIX}stability.loss") for k in metrics)
-    # Judged again on the finished run: every finding the full analysis has, once.
-    last = judge.judge()
+    # Judged again on the finished run: every finding the full analysis has.
+    last = LiveJudge(out).judge()
     assert [_key(f) for f in last.findings] == [_key(f) for f in analyze(out).findings]
     assert "entropy-collapse" in announced
 
@@ -124,6 +133,7 @@ def test_a_critical_finding_stops_the_run_with_stop_json(tmp_path: Path) -> None
     record = stop_record(out)
     assert record is not None
     stopped_at = judged[-1][0]
+    assert judged[-1][1].stop is not None and judged[-1][1].last_good == record["last_good_step"]
     assert record["step"] == stopped_at < 29  # stopped before the run's end
     finding = record["finding"]
     assert finding["severity"] == "critical" and finding["evidence"]
@@ -307,6 +317,27 @@ def test_a_genuine_trl_run_that_diverges_is_stopped(tmp_path: Path) -> None:
     assert "learning rate" in collapse.message
     for judgement in summary["judgements"][:-1]:  # before the stop: nothing critical
         assert "performance-regression" not in judgement["findings"]
+    # rlscope's metrics went to TensorBoard beside TRL's, at each judged step.
+    scalars = _tensorboard_scalars(out)
+    judged = [j["step"] for j in summary["judgements"]]
+    # HF prefixes train logs with train/ (transformers integration_utils.rewrite_logs)
+    assert [s for s, _ in scalars["train/rlscope/signal.pass_at_1"]] == judged
+    assert scalars["train/rlscope/findings.critical"][-1][1] >= 1
+    assert scalars["train/rlscope/findings.critical"][0][1] == 0
+    assert len(scalars["train/loss"]) == record["step"]
+
+
+def _tensorboard_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of the TensorBoard event files under `out`: (step, value) in order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for events in sorted(out.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in accumulator.Scalars(tag))
+    return scalars
 
 
 @pytest.mark.slow

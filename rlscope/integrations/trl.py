@@ -15,6 +15,10 @@ the callback needs it: `bind(trainer)` (or `trainer=`), else at `on_train_begin`
 Trainer that holds it in its calling frames. Without a trainer only the steps table is written,
 and `rlscope analyze` needs rollouts (the callback warns at the end).
 
+With `judge_every=K` (or a `stop_on`) it also judges the run every K steps, announces findings,
+sends rlscope's metrics to the trainer's loggers, and can stop training (README "Stopping a bad
+run"; `rlscope.live`).
+
 What it writes:
 
 * **steps**, one row per `state.global_step`, from every `on_log` of that step merged (train and
@@ -60,9 +64,10 @@ Limits, honestly:
   kept as logged), and unless `count_tokens=` is given, TRL's `completions/mean_length` is
   stored as `completions/mean_length_logged`, so that rlscope does not flag the approximation
   as a logged-vs-recomputed mismatch.
-* Only the world process zero writes (TRL gathers completions from every rank). Rollout ids
-  continue after those already in the run directory; steps re-logged after resuming from a
-  checkpoint appear twice (rlscope averages rows of one step).
+* Only the world process zero writes (TRL gathers completions from every rank) and judges; its
+  decision to stop reaches every process through torch.distributed, when it is initialised.
+  Rollout ids continue after those already in the run directory; steps re-logged after resuming
+  from a checkpoint appear twice (rlscope averages rows of one step).
 """
 
 from __future__ import annotations
@@ -150,6 +155,12 @@ class RlscopeCallback(_CallbackBase):
     `count_tokens` (text -> token count; default the trainer's tokenizer), `num_generations`
     (group size; default from the trainer or its args), `keep_text` (store completions as
     `response`), `eval_split` (split of completions logged with `eval_*` metrics).
+
+    Judging (README "Stopping a bad run"): `judge_every` (judge the run written so far every
+    that many steps; default none, or DEFAULT_JUDGE_EVERY with a `stop_on`), `stop_on`
+    (`never`, a severity or finding ids: stop training on such a finding, with stop.json),
+    `log_metrics` (send rlscope's metrics to the trainer's loggers at each judgement),
+    `config` and `cache_dir` (the analysis'). `judgements` lists every judgement made.
     """
 
     def __init__(
@@ -238,21 +249,29 @@ class RlscopeCallback(_CallbackBase):
         logs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        if not _is_main(state) or self.closed or not logs:
+        if self.closed or not logs:
             return
         if _SUMMARY_KEYS & set(logs) or all(str(k).startswith(METRIC_PREFIX) for k in logs):
             return  # the end-of-training summary, or rlscope's own metrics sent to the loggers
-        writer = self._open(args, kwargs)
-        step = self._last_step = _step(state)
-        if self._pending is not None and self._pending["step"] != step:
-            self._emit_pending()
-        if self._pending is None:
-            self._pending = {"step": step}
-        self._pending.update(self._step_columns(logs))
+        step = _step(state)
         is_eval = any(str(k).startswith("eval_") for k in logs)
-        self._log_completions(writer, step, self.eval_split if is_eval else "train", args)
-        if not is_eval and self.judge_every is not None and step % self.judge_every == 0:
-            self._judge(args, state, control, step)
+        if _is_main(state):
+            writer = self._open(args, kwargs)
+            self._last_step = step
+            if self._pending is not None and self._pending["step"] != step:
+                self._emit_pending()
+            if self._pending is None:
+                self._pending = {"step": step}
+            self._pending.update(self._step_columns(logs))
+            self._log_completions(writer, step, self.eval_split if is_eval else "train", args)
+        judging = self.judge_every is not None and step % self.judge_every == 0
+        if not is_eval and judging and step != self._judged_step:
+            # Every process logs at the same steps: each one gets the main process's decision.
+            stop = self._judge(args, state, control, step) if _is_main(state) else False
+            if _shared_stop(stop) and not control.should_training_stop:
+                control.should_training_stop = True
+                if str(getattr(args, "save_strategy", "steps")) not in ("no", "SaveStrategy.NO"):
+                    control.should_save = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # A checkpoint is a good moment to make everything so far durable.
@@ -319,27 +338,22 @@ class RlscopeCallback(_CallbackBase):
         self.writer = RunWriter(self.run_dir, **self.judge_options, **meta)
         return self.writer
 
-    def _judge(self, args: Any, state: Any, control: Any, step: int) -> None:
-        """Judge the run written so far; send rlscope's metrics to the trainer's loggers and,
-        when `stop_on` names a finding raised, stop training (with a checkpoint unless the
-        trainer saves none)."""
-        if step == self._judged_step:
-            return
+    def _judge(self, args: Any, state: Any, control: Any, step: int) -> bool:
+        """Judge the run written so far and send rlscope's metrics to the trainer's loggers;
+        whether `stop_on` names a finding raised (training then stops, with a checkpoint
+        unless the trainer saves none)."""
         judgement = self._judgement(step)
         if judgement is None:
-            return
+            return False
         if self.log_metrics and judgement.metrics:
             self._send_metrics(args, state, control, judgement.metrics)
-        if judgement.stop is not None and not control.should_training_stop:
-            control.should_training_stop = True
-            if str(getattr(args, "save_strategy", "steps")) not in ("no", "SaveStrategy.NO"):
-                control.should_save = True
+        return judgement.stop is not None
 
     def _judgement(self, step: int) -> Judgement | None:
+        self._judged_step = step
         if self.writer is None:
             return None
         self._emit_pending()
-        self._judged_step = step
         self.writer.judge()
         judgement = self.writer.judgement
         if judgement is not None:
@@ -552,6 +566,19 @@ class RlscopeCallback(_CallbackBase):
         if self._counter is not None:
             return [int(self._counter(text)) for text in completions]
         return [len(text.split()) for text in completions]
+
+
+def _shared_stop(stop: bool) -> bool:
+    """The main process's stop decision, on every process of a distributed run (torch.distributed
+    when it is initialised: a process that stopped alone would leave the others waiting)."""
+    distributed = sys.modules.get("torch.distributed")  # never imported here for a one-process run
+    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+        return stop
+    if distributed.get_world_size() == 1:
+        return stop
+    decision = [stop]
+    distributed.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
 
 
 def _find_trainer(callback: Any, depth: int = 12) -> Any:

@@ -24,7 +24,8 @@ Seeds 1 and 2 (SEED) give the same picture. Deterministic for a seed on one mach
 
 With `--judge RUN_DIR STOP_ON EVERY` the run also carries rlscope's RlscopeCallback writing
 RUN_DIR, judging every EVERY steps and stopping on STOP_ON (`never`, `critical`, ids joined by
-commas); the trainer may then save a checkpoint (save_steps past the run: only a stop saves one).
+commas); the trainer may then save a checkpoint (save_steps past the run: only a stop, or the
+run's end, saves one) and reports to TensorBoard (OUT_DIR/runs/), where rlscope's metrics go too.
 The last line printed is JSON: the steps trained, the training time, and each judgement's step,
 seconds and findings.
 
@@ -178,7 +179,7 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
         beta=0.04,
         logging_steps=1,
         log_completions=True,
-        report_to=[],
+        report_to=["tensorboard"] if judge else [],  # OUT/runs/: rlscope's metrics beside TRL's
         save_strategy="steps" if judge else "no",
         save_steps=10 * steps,
         use_cpu=True,
