@@ -278,22 +278,30 @@ LR_COLLAPSE = Path(__file__).parent / "trainers" / "trl_lr_collapse.py"
 JUMP_STEP = 25  # trl_lr_collapse.JUMP_STEP: the first step trained at 40x the learning rate
 
 
-def _trl_judged(tmp_path: Path, mode: str) -> tuple[dict[str, Any], Path, Path]:
-    """A TRL GRPOTrainer run of `mode` with RlscopeCallback(judge_every=5, stop_on="critical"):
-    the trainer's summary, its output directory and the run directory the callback wrote."""
+def _trl_judged(
+    tmp_path: Path, mode: str, processes: int = 1
+) -> tuple[list[dict[str, Any]], Path, Path]:
+    """A TRL GRPOTrainer run of `mode` with RlscopeCallback(judge_every=5, stop_on="critical")
+    on `processes` CPU processes (torchrun, gloo): each process' summary (the main one's
+    first), the trainer's output directory and the run directory the callback wrote."""
     if not TRL_PYTHON:
         pytest.skip("RLSCOPE_TRL_PYTHON (a Python with torch, trl and rlscope; `make test-slow`)")
     out, run = tmp_path / "trainer", tmp_path / "run"
-    command = [TRL_PYTHON, str(LR_COLLAPSE), str(out), mode, "50"]
+    launch = [TRL_PYTHON]
+    if processes > 1:
+        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     done = subprocess.run(
-        [*command, "--judge", str(run), "critical", "5"],
+        [*launch, str(LR_COLLAPSE), str(out), mode, "50", "--judge", str(run), "critical", "5"],
         capture_output=True,
         text=True,
         timeout=900,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1]), out, run
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"steps"')]
+    summaries = sorted((json.loads(line) for line in lines), key=lambda s: -len(s["judgements"]))
+    assert len(summaries) == processes
+    return summaries, out, run
 
 
 @pytest.mark.slow
@@ -302,7 +310,7 @@ def test_a_genuine_trl_run_that_diverges_is_stopped(tmp_path: Path) -> None:
     0.19): the callback stops training at the first judgement after, with stop.json naming
     the collapse and a checkpoint of the step it stopped at (measured: stopped at 30, the
     collapse since step 28, last good step 27)."""
-    summary, out, run = _trl_judged(tmp_path, "jump")
+    (summary,), out, run = _trl_judged(tmp_path, "jump")
     record = stop_record(run)
     assert record is not None, summary
     assert record["finding"]["id"] == "performance-regression"
@@ -342,9 +350,22 @@ def _tensorboard_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
 
 @pytest.mark.slow
 def test_its_healthy_twin_trains_to_the_end(tmp_path: Path) -> None:
-    summary, out, run = _trl_judged(tmp_path, "healthy")
+    (summary,), out, run = _trl_judged(tmp_path, "healthy")
     assert summary["steps"] == 50 and stop_record(run) is None
     assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-50"]  # HF's, at the end
     assert [j["step"] for j in summary["judgements"]] == list(range(5, 51, 5))
     critical = [f for f in analyze(run).findings if f.severity == "critical"]
     assert critical == []
+
+
+@pytest.mark.slow
+def test_every_process_of_a_distributed_run_stops_together(tmp_path: Path) -> None:
+    """Two processes (torchrun, gloo): the main one judges and writes; the other gets its
+    decision and stops at the same step instead of waiting for it forever."""
+    summaries, out, run = _trl_judged(tmp_path, "jump", processes=2)
+    record = stop_record(run)
+    assert record is not None and record["finding"]["id"] == "performance-regression"
+    main, other = summaries
+    assert main["steps"] == other["steps"] == record["step"] < 50
+    assert other["judgements"] == []  # only the main process judges
+    assert (out / f"checkpoint-{record['step']}").is_dir()

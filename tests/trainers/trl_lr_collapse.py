@@ -29,6 +29,8 @@ run's end, saves one) and reports to TensorBoard (OUT_DIR/runs/), where rlscope'
 The last line printed is JSON: the steps trained, the training time, and each judgement's step,
 seconds and findings.
 
+Under `torchrun --nproc_per_node N` it trains on N CPU processes (gloo), each with its batch.
+
 Usage: python trl_lr_collapse.py OUT_DIR {healthy,too-high,jump} [STEPS] [--judge RUN_DIR STOP_ON
 EVERY]  (STEPS defaults to 50)
 """
@@ -168,28 +170,30 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
     )
     sft = Qwen2ForCausalLM(config)
     _sft(sft, tokenizer)
-    args = GRPOConfig(
-        output_dir=str(out),
-        num_generations=8,
-        per_device_train_batch_size=64,
-        max_completion_length=4,
-        max_steps=steps,
-        learning_rate=TOO_HIGH_LR if mode == "too-high" else HEALTHY_LR,
-        lr_scheduler_type="constant",
-        beta=0.04,
-        logging_steps=1,
-        log_completions=True,
-        report_to=["tensorboard"] if judge else [],  # OUT/runs/: rlscope's metrics beside TRL's
-        save_strategy="steps" if judge else "no",
-        save_steps=10 * steps,
-        use_cpu=True,
-        seed=SEED,
-        disable_tqdm=True,
-    )
     with tempfile.TemporaryDirectory() as sft_dir:
         # TRL builds the KL reference from the policy's config._name_or_path: load from disk.
         sft.save_pretrained(sft_dir)
         model = Qwen2ForCausalLM.from_pretrained(sft_dir)
+        # After the save: the config starts torch.distributed under torchrun, and a process other
+        # than the first would then save nothing (every process trains the same SFT policy).
+        args = GRPOConfig(
+            output_dir=str(out),
+            num_generations=8,
+            per_device_train_batch_size=64,
+            max_completion_length=4,
+            max_steps=steps,
+            learning_rate=TOO_HIGH_LR if mode == "too-high" else HEALTHY_LR,
+            lr_scheduler_type="constant",
+            beta=0.04,
+            logging_steps=1,
+            log_completions=True,
+            report_to=["tensorboard"] if judge else [],  # OUT/runs/: rlscope's metrics beside TRL's
+            save_strategy="steps" if judge else "no",
+            save_steps=10 * steps,
+            use_cpu=True,
+            seed=SEED,
+            disable_tqdm=True,
+        )
         callbacks = []
         if judge:
             from rlscope.integrations.trl import RlscopeCallback
