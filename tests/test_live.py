@@ -15,6 +15,7 @@ from typing import Any
 
 import polars as pl
 import pytest
+from conftest import run_cli
 
 from rlscope.analysis import analyze
 from rlscope.errors import RlscopeError
@@ -206,6 +207,12 @@ def test_rules_that_need_more_steps_wait_instead_of_judging(tmp_path: Path) -> N
     assert all(s.reason.endswith("so far") for s in judgement.waiting)
     report = analyze(source)
     assert not {f.id for f in report.findings} & set(waiting)
+    shown = run_cli("analyze", str(source), "--fail-on", "never").stdout
+    assert "not judged yet (steps needed):" in shown and "kl-stalled (20)" in shown
+    page = tmp_path / "report.html"
+    run_cli("report", str(source), "-o", str(page))
+    assert "Not judged yet (steps needed)" in page.read_text()
+    assert "<code>kl-stalled</code> (20)" in page.read_text()
 
 
 # --- the TRL callback's judging, driven through HF's events ----------------------------------

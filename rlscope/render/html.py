@@ -616,15 +616,15 @@ def render_html(
             parts.append(f"<p>{_e(label)}: no findings.</p>" if multi else "<p>No findings.</p>")
         for finding in report.findings:
             parts.append(_card(finding, report, index, label, multi, align, smooth))
-    unchecked = sorted(
-        {s.metric for r in reports for s in r.skipped if s.kind == "finding" and not s.failed}
-    )
-    if unchecked:
-        parts.append(
-            "<p class='dim'>Not checked (inputs missing): "
-            + ", ".join(f"<code>{_e(u)}</code>" for u in unchecked)
-            + "</p>"
-        )
+    unchecked = [s for r in reports for s in r.skipped if s.kind == "finding" and not s.failed]
+    missing = sorted({s.metric for s in unchecked if s.needs_steps is None})
+    waiting = sorted({(s.metric, s.needs_steps) for s in unchecked if s.needs_steps is not None})
+    for heading, names in (
+        ("Not checked (inputs missing)", [f"<code>{_e(m)}</code>" for m in missing]),
+        ("Not judged yet (steps needed)", [f"<code>{_e(m)}</code> ({n})" for m, n in waiting]),
+    ):
+        if names:
+            parts.append(f"<p class='dim'>{heading}: " + ", ".join(names) + "</p>")
     parts.append("</section>")
 
     if comparison is not None:
