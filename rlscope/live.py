@@ -92,6 +92,7 @@ class Judgement:
     last_good: int | None = None  # with `stop`: the last step no finding that stops was raised
     waiting: tuple[Skipped, ...] = ()  # rules that judge from more steps than the run has
     metrics: dict[str, float] = field(default_factory=dict)  # rlscope/<id> -> latest value
+    files: dict[str, tuple[int, int]] = field(default_factory=dict)  # table -> (files, read)
     seconds: float = 0.0  # what the judgement cost
     error: str | None = None  # why the run could not be judged (judging goes on next time)
 
@@ -184,6 +185,8 @@ class LiveJudge:
             self.last_good,
             tuple(s for s in report.skipped if s.needs_steps is not None),
             latest_metrics(report),
+            {"tokens": (report.run.token_files, report.run.token_files_read)}
+            | dict(report.run.table_files),
             time.perf_counter() - started,
         )
 

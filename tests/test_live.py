@@ -16,9 +16,13 @@ from typing import Any
 import polars as pl
 import pytest
 from conftest import run_cli
+from shapes import HEALTHY_SHAPES, write_shape
 
 from rlscope.analysis import analyze
+from rlscope.config import Config
+from rlscope.engine import compute
 from rlscope.errors import RlscopeError
+from rlscope.evaluation import evaluate_prefix
 from rlscope.integrations.trl import RlscopeCallback
 from rlscope.live import (
     METRIC_PREFIX,
@@ -28,6 +32,7 @@ from rlscope.live import (
     latest_metrics,
     stop_record,
 )
+from rlscope.reader import open_run
 from rlscope.spec import Finding
 from rlscope.synth.build import generate
 from rlscope.writer import RunWriter
@@ -96,6 +101,9 @@ def test_each_judgement_is_the_full_analysis_at_its_step(tmp_path: Path) -> None
             full.metrics["behavior.entropy_p80"].values[-1]
         )
         assert not any(k.startswith(f"{METRIC_PREFIX}stability.loss") for k in metrics)
+        if step:  # incremental: each table's one new file is read, the others come from caches
+            read = {table: files_read for table, (_, files_read) in judgement.files.items()}
+            assert read == dict.fromkeys(("tokens", "steps", "rollouts", "probes"), 1)
     # Judged again on the finished run: every finding the full analysis has.
     last = LiveJudge(out).judge()
     assert [_key(f) for f in last.findings] == [_key(f) for f in analyze(out).findings]
@@ -376,3 +384,22 @@ def test_every_process_of_a_distributed_run_stops_together(tmp_path: Path) -> No
     assert main["steps"] == other["steps"] == record["step"] < 50
     assert other["judgements"] == []  # only the main process judges
     assert (out / f"checkpoint-{record['step']}").is_dir()
+
+
+# --- what stop_on="critical" may stop: no critical verdict on any prefix of a healthy shape -----
+
+
+@pytest.mark.parametrize("shape", HEALTHY_SHAPES)
+def test_no_healthy_shape_is_critical_at_any_prefix(tmp_path: Path, shape: str) -> None:
+    """A stop on a critical finding needs critical verdicts that no prefix of a healthy run
+    raises (the genuine runs: tests/test_onsets.py). Every prefix from the first step here:
+    a stop is judged from the first judgement."""
+    run = write_shape(tmp_path / shape, shape, seed=11, steps=40, prompts=8, group=8)
+    computed = compute(open_run(run))
+    steps = sorted({s for r in computed.results.values() for s in r.steps})
+    critical = {}
+    for step in steps:
+        found = evaluate_prefix(computed, step, Config()).findings
+        if any(f.severity == "critical" for f in found):
+            critical[step] = [f.id for f in found if f.severity == "critical"]
+    assert critical == {}
