@@ -113,6 +113,12 @@ TABLES: dict[str, Table] = {
                 _c("pos", _I32, True, "0-based position in the response"),
                 _c("logprob", _F32, False, "log-probability under the current policy"),
                 _c("old_logprob", _F32, False, "log-probability under the behaviour policy"),
+                _c(
+                    "rollout_logprob",
+                    _F32,
+                    False,
+                    "log-probability the sampling engine (vLLM, SGLang) gave the token",
+                ),
                 _c("ref_logprob", _F32, False, "log-probability under the reference policy"),
                 _c("entropy", _F32, False, "full-vocabulary entropy, nats"),
                 _c("advantage", _F32, False, "token advantage"),

@@ -436,6 +436,11 @@ DIRECTED = {
     "reasoning.answer_unchanged.mistake": "down",
     "reasoning.answer_unchanged.paraphrase": "up",
     "reasoning.early_answer_aoc": "up",
+    # Two implementations of one policy should agree: any gap is worse.
+    "stability.mismatch_kl": "down",
+    "stability.mismatch_abs_logp": "down",
+    "stability.mismatch_tail": "down",
+    "stability.mismatch_prob_diff": "down",
 }
 
 

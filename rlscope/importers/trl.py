@@ -137,7 +137,12 @@ def import_trl(session: Session) -> None:
     completions/mean_length_logged (tokens, while response_len counts words: not compared),
     every other numeric key an extra column under its own name (reward, reward_std,
     frac_reward_zero_std, completions/clipped_ratio, rewards/<fn>/mean, ...), which rlscope
-    compares with what it recomputes. Entries sharing a step merge, later keys winning.
+    compares with what it recomputes. Entries sharing a step merge, later keys winning. With
+    vLLM and vllm_importance_sampling_correction (TRL 0.23 on, grpo_trainer.py
+    `_generate_and_score_completions`), `sampling/sampling_logp_difference/mean` (mean
+    |old_per_token_logps - sampling_per_token_logps| over completion tokens) is read by
+    stability.mismatch_abs_logp; `sampling/importance_sampling_ratio/*` are the ratios after
+    TRL's truncation or masking, kept as extra columns.
 
     Agreement with TRL's logged values (tested on a real TRL 1.16 run): reward and
     frac_reward_zero_std agree exactly when each logged step has its own generation batch and

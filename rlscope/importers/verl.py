@@ -430,6 +430,13 @@ def import_verl_metrics(session: Session) -> None:
                 verl logs no validation set size, so their sampling error is unknown.
     run.json `max_grad_norm` = the Hydra config's `actor_rollout_ref.actor.grad_clip` (the
     logged actor/grad_norm is the norm before that clip: dp_actor.py `_optimizer_step`).
+      mismatch  the training–inference mismatch verl computes from rollout_log_probs is kept
+                under its own names and read by rlscope's stability.mismatch_* metrics when
+                there are no tokens: `rollout_corr/k3_kl`, `rollout_corr/kl` (token-means,
+                trainer/ppo/rollout_corr_helper.py `compute_offpolicy_metrics`, 0.6.1 on,
+                with algorithm.rollout_correction) and `training/rollout_probs_diff_mean`
+                (mean |p_actor - p_rollout|, utils/debug/metrics.py `calculate_debug_metrics`,
+                0.4 on).
     Every other numeric key is an extra column under its own name (`actor/ppo_kl`,
     `critic/score/mean`, `response_length/mean`, `response_length/clip_ratio`, ...:
     metric_utils.py `compute_data_metrics`, token-based); rlscope reads the logged reward,

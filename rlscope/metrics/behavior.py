@@ -187,6 +187,15 @@ DECLARED.metric(
             step_column(
                 "response_length/mean", source="steps.response_length/mean as logged (verl)"
             ),
+            step_column(
+                "completions/mean_length",
+                source="steps.completions/mean_length as logged (TRL, tokens)",
+            ),
+            # The TRL importer's name for it (kept apart from rlscope's word counts).
+            step_column(
+                "completions/mean_length_logged",
+                source="steps.completions/mean_length as logged (TRL, tokens)",
+            ),
         ),
     )
 )

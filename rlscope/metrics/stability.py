@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import polars as pl
 
 from rlscope.context import MetricContext
@@ -226,6 +228,187 @@ DECLARED.metric(
                 ("ppo_kl_n", _ppo.count()),
                 source="tokens: token-mean old_logprob - logprob",
             ),
+        ),
+    )
+)
+
+
+# --- the training–inference mismatch: the sampler's log-probs against the trainer's ------------
+
+#: Where the trainer's log-prob of the sampled token is read, first found first: the behaviour
+#: policy as the trainer recomputes it before the update (verl old_log_prob, TRL
+#: old_per_token_logps), else the current policy (the same one in a single on-policy update).
+_TRAINER_LOGPROBS = (("old_logprob", "old"), ("logprob", "cur"))
+#: |log ratio| beyond which a token counts in the tail: the ratio outside [1/2, 2], the bound
+#: truncated and masked importance sampling use by default (verl rollout_is_threshold = 2).
+TAIL_LOG_RATIO = 0.6931471805599453  # ln 2
+
+
+def _mismatch_variants(
+    name: str,
+    per_token: Callable[[pl.Expr, pl.Expr], pl.Expr],
+    source: str,
+    logged: tuple[tuple[str, str], ...] = (),
+) -> tuple[Variant, ...]:
+    """Token-mean of `per_token(trainer, sampler)` log-probs: the trainer's old_logprob (else
+    logprob) and rollout_logprob; then the trainers' logged columns, (column, whose)."""
+    variants = []
+    for column, tag in _TRAINER_LOGPROBS:
+        value = per_token(f64(column), f64("rollout_logprob"))
+        variants.append(
+            ratio_variant(
+                "tokens",
+                (column, "rollout_logprob"),
+                (f"mm_{name}_{tag}_sum", value.sum()),
+                (f"mm_{name}_{tag}_n", value.count()),
+                source=f"tokens: token-mean {source}, d = {column} - rollout_logprob",
+            )
+        )
+    for column, whose in logged:
+        variants.append(step_column(column, source=f"steps.{column} as logged ({whose})"))
+    return tuple(variants)
+
+
+def _k3(trainer: pl.Expr, sampler: pl.Expr) -> pl.Expr:
+    d = trainer - sampler
+    return d.exp() - d - 1.0
+
+
+_MISMATCH_WHY = (
+    "The sampling engine (vLLM, SGLang: bf16 or fp8 kernels, other reductions) and the trainer "
+    "(FSDP, Megatron) compute different probabilities for the same weights and token, so the "
+    "rollouts come from a policy the trainer does not optimise: the update is off-policy "
+    "without saying so. The gap grows with the policy's sharpness and has been seen to rise "
+    "for hundreds of steps before a collapse (Liu, Li et al. 2025, 'When Speed Kills "
+    "Stability'; Yao et al. 2025, truncated importance sampling). "
+)
+
+DECLARED.metric(
+    Metric(
+        id="stability.mismatch_kl",
+        brief="training–inference mismatch: token-mean k3 KL(sampler ‖ trainer) from "
+        "rollout_logprob, else verl's rollout_corr/k3_kl",
+        logged_as=("rollout_corr/k3_kl",),
+        layer="L1",
+        title="Training–inference mismatch (KL, k3)",
+        doc=_MISMATCH_WHY + "Per step, the token-mean k3 = e^d − d − 1 with d = the trainer's "
+        "log-prob (old_logprob, else logprob) − the sampler's (rollout_logprob): an estimate of "
+        "KL(π_sampler ‖ π_trainer) per token from the sampled tokens (verl "
+        "rollout_corr_helper.py `compute_offpolicy_metrics` `k3_kl`, the same formula). It is "
+        "not the KL to the reference (stability.kl): that one measures how far training moved "
+        "the policy from its start; this one how far two implementations of the *same* policy "
+        "disagree, and it should stay near 0 whatever training does. Per token, it does not "
+        "depend on the vocabulary; a sequence of T tokens carries T times it "
+        "(train-inference-mismatch judges that).",
+        healthy="~1e-4 per token or less and flat; rising over the run is the warning sign",
+        references="Liu, Li et al. 2025 (When Speed Kills Stability); Yao et al. 2025 (TIS); "
+        "verl rollout_corr/k3_kl",
+        better="down",
+        variants=_mismatch_variants(
+            "k3",
+            _k3,
+            "k3 = e^d - d - 1",
+            (("rollout_corr/k3_kl", "verl, rollout_corr_helper.py compute_offpolicy_metrics"),),
+        ),
+    )
+)
+
+DECLARED.metric(
+    Metric(
+        id="stability.mismatch_log_ppl_gap",
+        brief="token-mean rollout_logprob − trainer log-prob = log(PPL_trainer / PPL_sampler) "
+        "(k1), else verl's rollout_corr/kl",
+        logged_as=("rollout_corr/kl",),
+        layer="L1",
+        title="Training–inference mismatch (log-perplexity gap, k1)",
+        doc="Per step, the token-mean of rollout_logprob − the trainer's log-prob (old_logprob, "
+        "else logprob): the log of the trainer's perplexity over the sampler's on the sampled "
+        "tokens, and the k1 estimator of KL(π_sampler ‖ π_trainer) (verl "
+        "rollout_corr_helper.py `compute_offpolicy_metrics` `kl`, the same formula; its "
+        "`log_ppl_diff` averages per sequence first and is kept as logged). Positive: the "
+        "sampler is more confident than the trainer. Unlike k3 it has a sign and a larger "
+        "variance; see stability.mismatch_kl for why the gap matters.",
+        healthy="near 0, flat",
+        references="verl rollout_corr/kl, rollout_corr/log_ppl_diff",
+        variants=_mismatch_variants(
+            "k1",
+            lambda trainer, sampler: sampler - trainer,
+            "-d",
+            (("rollout_corr/kl", "verl, rollout_corr_helper.py compute_offpolicy_metrics"),),
+        ),
+    )
+)
+
+DECLARED.metric(
+    Metric(
+        id="stability.mismatch_abs_logp",
+        brief="token-mean |trainer log-prob − rollout_logprob|, else TRL's "
+        "sampling/sampling_logp_difference/mean",
+        logged_as=("sampling/sampling_logp_difference/mean",),
+        layer="L1",
+        title="Training–inference mismatch (mean |Δ log p|)",
+        doc="Per step, the token-mean absolute difference between the trainer's log-prob "
+        "(old_logprob, else logprob) and the sampler's (rollout_logprob): what TRL logs as "
+        "`sampling/sampling_logp_difference/mean` when it samples with vLLM and corrects by "
+        "importance sampling (grpo_trainer.py `_generate_and_score_completions`, "
+        "`vllm_importance_sampling_correction`). For small, centred differences it relates to "
+        "the KL as k ≈ (π/4)·mean|d|² (a normal d: E|d| = σ√(2/π), k3 ≈ σ²/2), which is how "
+        "train-inference-mismatch judges a run that logged only this.",
+        healthy="small (a few hundredths of a nat or less) and flat",
+        references="TRL sampling/sampling_logp_difference/mean",
+        better="down",
+        variants=_mismatch_variants(
+            "abs",
+            lambda trainer, sampler: (trainer - sampler).abs(),
+            "|d|",
+            (("sampling/sampling_logp_difference/mean", "TRL, grpo_trainer.py"),),
+        ),
+    )
+)
+
+DECLARED.metric(
+    Metric(
+        id="stability.mismatch_tail",
+        brief="share of tokens whose sampler/trainer probability ratio is outside [1/2, 2]",
+        unit="share",
+        layer="L1",
+        title="Training–inference mismatch (tail share)",
+        doc="Per step, the share of tokens with |trainer log-prob − rollout_logprob| > ln 2: "
+        "the tokens truncated importance sampling would clip and masked importance sampling "
+        "would drop at the usual bound of 2 (verl `rollout_is_threshold` default). The "
+        "mismatch concentrates on low-probability tokens, which a mean hides: a growing tail "
+        "is where the gradient's bias comes from (Liu, Li et al. 2025).",
+        healthy="well below 1%",
+        references="Liu, Li et al. 2025; Yao et al. 2025 (TIS)",
+        better="down",
+        variants=_mismatch_variants(
+            "tail",
+            lambda trainer, sampler: ((trainer - sampler).abs() > TAIL_LOG_RATIO).cast(pl.Float64),
+            "[|d| > ln 2]",
+        ),
+    )
+)
+
+DECLARED.metric(
+    Metric(
+        id="stability.mismatch_prob_diff",
+        brief="token-mean |p_trainer − p_sampler| of the sampled token, else verl's "
+        "training/rollout_probs_diff_mean",
+        logged_as=("training/rollout_probs_diff_mean",),
+        layer="L1",
+        title="Training–inference mismatch (mean |Δ p|)",
+        doc="Per step, the token-mean absolute difference of the sampled token's probability "
+        "under the trainer (e^old_logprob, else e^logprob) and the sampler (e^rollout_logprob): "
+        "verl's debug metric `training/rollout_probs_diff_mean` (verl/utils/debug/metrics.py "
+        "`calculate_debug_metrics`, probabilities despite its helper's name).",
+        healthy="below ~0.01",
+        references="verl training/rollout_probs_diff_mean",
+        better="down",
+        variants=_mismatch_variants(
+            "pdiff",
+            lambda trainer, sampler: (trainer.exp() - sampler.exp()).abs(),
+            "|e^trainer - e^rollout_logprob|",
+            (("training/rollout_probs_diff_mean", "verl, utils/debug/metrics.py"),),
         ),
     )
 )

@@ -14,6 +14,7 @@ from rlscope.rules.base import (
     DRIVERS,
     MIN_TREND_STEPS,
     RuleContext,
+    Series,
     changed_at,
     compare_windows,
     final_level,
@@ -21,6 +22,7 @@ from rlscope.rules.base import (
     final_se,
     final_steps,
     halfway_step,
+    level_severity,
     pass_at_1_trend,
     pct,
     step_noise,
@@ -177,6 +179,118 @@ def kl_high(ctx: RuleContext) -> Iterator[Finding]:
             final_kl=found.level,
             steps=found.window,
         )
+
+
+MISMATCH_EXPLAINS_COLLAPSE = Explained(
+    "samples the trainer takes for its own policy's come from another (the sampling engine's): "
+    "the uncorrected gradient is biased, and the bias grew before the task outcome fell"
+)
+
+
+@DECLARED.rule(
+    "train-inference-mismatch",
+    brief="sampler vs trainer log-probs: a sequence's mismatch KL (token k3 × response length) "
+    "past 0.35 nats (a sequence-level importance correction keeps < 50% of the batch; "
+    "critical < 5%), or rising ×2 beyond its noise",
+    layer="L1",
+    title="The sampling engine and the trainer disagree on the policy",
+    doc="The rollouts are sampled by an inference engine (vLLM, SGLang) and trained on by the "
+    "trainer (FSDP, Megatron) with the same weights, but different kernels, precision and "
+    "reductions give the sampled tokens different probabilities: the update is off-policy "
+    "without saying so. The papers see this gap rise for hundreds of steps before a collapse "
+    "(Liu, Li et al. 2025, 'When Speed Kills Stability'; Yao et al. 2025 on truncated "
+    "importance sampling). Judged on stability.mismatch_kl (the token-mean k3 estimate of "
+    "KL(π_sampler ‖ π_trainer); without it, TRL's logged mean |Δ log p| m, converted as "
+    "k ≈ (π/4)·m², the relation for small centred differences). Level: what matters is a "
+    "whole sequence's divergence, the per-token KL times the final-window mean response "
+    "length T (behavior.response_len; in words when the trainer logged no token counts, an "
+    "underestimate): the χ² divergence of sequence probabilities is about e^{2kT} − 1 for a "
+    "small per-token divergence, so a sequence-level importance correction keeps an effective "
+    "sample share of e^{−2kT} of the batch (Kong's effective sample size 1/(1+χ²)), and the "
+    "bias of not correcting is bounded by the total variation, √(kT/2) by Pinsker. A warning "
+    "when that share is below `warn_ess` (kT ≥ 0.35), critical below `critical_ess` "
+    "(kT ≥ 1.5: the trainer learns from another policy's samples). Per-token KL does not "
+    "depend on the vocabulary, and T carries the sequence length, so the bounds hold for any "
+    "model and task; the level is judged two standard errors deep (the final window's "
+    "step-to-step scatter), so a small batch does not fire on noise. Growth: the last fifth's "
+    "KL at least `rise_factor` times the first fifth's and `z` standard errors above it "
+    "(the series' own step-to-step noise, Student-t widened for short runs), once kT reaches "
+    "`min_seq_kl`: a warning, critical when the level is past `warn_ess` too. This is not the "
+    "KL to the reference (stability.kl, kl-high): that one is how far training moved the "
+    "policy, and it should grow; this one is how far two implementations of the same policy "
+    "disagree, and it should stay near 0.",
+    remedy="correct it: truncated or masked importance sampling on the sampler/trainer ratio "
+    "(verl algorithm.rollout_correction rollout_is / rollout_rs, TRL "
+    "vllm_importance_sampling_correction); shrink it: compute the lm-head (logits) in fp32 in "
+    "both, use the same attention backend and precision in the sampler and the trainer; make "
+    "sure the sampler's weights are synced after every update (a stale sampler is a large gap); "
+    "when it rises, lower the learning rate before the run collapses.",
+    explains={"performance-regression": MISMATCH_EXPLAINS_COLLAPSE},
+    metrics=("stability.mismatch_kl", "stability.mismatch_abs_logp"),
+    context=("behavior.response_len",),
+    params={
+        "warn_ess": Param(0.5, "effective sample share e^(−2kT) below which to warn"),
+        "critical_ess": Param(0.05, "effective sample share e^(−2kT) for a critical finding"),
+        "rise_factor": Param(2.0, "last-fifth / first-fifth mismatch KL for a rise"),
+        "z": Param(3.0, "z-score of the rise against the series' own noise"),
+        "min_seq_kl": Param(0.05, "a sequence's mismatch KL (nats) below which no rise counts"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+    severity="warn",
+)
+def train_inference_mismatch(ctx: RuleContext) -> Iterator[Finding]:
+    p = ctx.params
+    kl, how = ctx.series("stability.mismatch_kl"), "k3"
+    if kl is None:
+        abs_logp = ctx.series("stability.mismatch_abs_logp")
+        if abs_logp is None:
+            return
+        kl = Series(abs_logp.steps, math.pi / 4 * abs_logp.values**2)
+        how = "≈ (π/4)·mean|Δ log p|²"
+    length = ctx.series("behavior.response_len")
+    if len(kl) < p["min_steps"] or length is None or len(length) == 0:
+        return
+    tokens = final_mean(length)
+    per_token, se = final_mean(kl), final_se(kl)
+    seq_kl = per_token * tokens
+    bounds = {
+        "warn_at": -math.log(p["warn_ess"]) / 2,
+        "critical_at": -math.log(p["critical_ess"]) / 2,
+    }
+    level = level_severity(seq_kl, bounds, se * tokens)
+    w = compare_windows(kl)
+    rising = (
+        w.rising(p["z"])
+        and w.last >= p["rise_factor"] * max(w.first, 0.0)
+        and w.last * tokens >= p["min_seq_kl"]
+    )
+    if level is None and not rising:
+        return
+    severity: Severity = "critical" if level == "critical" or (rising and level) else "warn"
+    ess = math.exp(-2 * seq_kl)
+    message = (
+        f"The sampler and the trainer disagree: mismatch KL {per_token:.3g} nats/token ({how}) "
+        f"over the last steps × {tokens:.0f} tokens = {seq_kl:.3g} nats a sequence, so a "
+        f"sequence-level importance correction keeps {pct(ess)} of the batch"
+    )
+    if rising:
+        message += (
+            f"; it rose ×{w.last / max(w.first, 1e-12):.1f} from {w.first:.3g} (z = {w.z:.1f})"
+        )
+    yield ctx.finding(
+        message + ".",
+        severity=severity,
+        per_token=per_token,
+        estimator=how,
+        tokens=tokens,
+        sequence_kl=seq_kl,
+        ess=ess,
+        rising=rising,
+        first=w.first,
+        last=w.last,
+        z=w.z,
+        steps=[w.first_steps[0], w.last_steps[1]],
+    )
 
 
 @DECLARED.rule(
