@@ -8,15 +8,18 @@ import math
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pytest
 from conftest import run_cli
 
 from rlscope.analysis import analyze
 from rlscope.catalog import default_catalog
 from rlscope.importers import import_run
+from rlscope.integrations.trl import RlscopeCallback
 
 MISMATCH = (
     "stability.mismatch_kl",
@@ -320,8 +323,6 @@ def test_a_genuine_mismatch_is_judged_by_its_size(tmp_path: Path, mode: str) -> 
     """Sampled by one copy of a real torch policy, trained by another: an fp32 or bf16 sampler
     raises nothing (the genuine small mismatch of bf16 kernels), a sampler whose weights are
     not the trainer's is critical; the metrics equal numpy on the written tokens."""
-    import polars as pl
-
     run = _genuine(tmp_path, mode)
     report = analyze(run)
     tokens = pl.read_parquet(run / "tokens" / "*.parquet").sort("step", "rollout_id", "pos")
@@ -340,3 +341,26 @@ def test_a_genuine_mismatch_is_judged_by_its_size(tmp_path: Path, mode: str) -> 
         assert report.metrics["stability.mismatch_kl"].value < 1e-4
     if mode == "bf16":  # a real, small gap: not the fp32 copy's numerical zero
         assert report.metrics["stability.mismatch_abs_logp"].value > 1e-4
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # no trainer bound: steps only
+def test_the_trl_callback_keeps_trls_sampling_statistics(tmp_path: Path) -> None:
+    """TRL's GRPOTrainer logs its vLLM mismatch statistics through on_log; the callback keeps
+    them as steps columns under TRL's names, where the metric reads them."""
+    callback = RlscopeCallback(tmp_path / "run", algorithm="GRPO")
+    args = SimpleNamespace()
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+    callback.on_train_begin(args, state, SimpleNamespace())
+    for step in range(1, 4):
+        state.global_step = step
+        callback.on_log(
+            args,
+            state,
+            SimpleNamespace(),
+            logs={"loss": 0.1, "sampling/sampling_logp_difference/mean": 0.01 * step},
+        )
+    callback.on_train_end(args, state, SimpleNamespace())
+    steps = pl.read_parquet(tmp_path / "run" / "steps" / "*.parquet").sort("step")
+    assert steps["sampling/sampling_logp_difference/mean"].to_list() == pytest.approx(
+        [0.01, 0.02, 0.03]
+    )
