@@ -437,6 +437,12 @@ def import_verl_metrics(session: Session) -> None:
                 with algorithm.rollout_correction) and `training/rollout_probs_diff_mean`
                 (mean |p_actor - p_rollout|, utils/debug/metrics.py `calculate_debug_metrics`,
                 0.4 on).
+      critic    PPO with a critic (algorithm.adv_estimator=gae): `critic/vf_explained_var`
+                (metric_utils.py `compute_data_metrics`), `critic/vf_loss`,
+                `critic/vf_clipfrac` (workers/critic/dp_critic.py `update_critic`) and the KL
+                controller's `actor/reward_kl_penalty_coeff` (ray_trainer.py
+                `apply_kl_penalty`) are kept under their own names and read by rlscope's
+                stability.explained_variance, value_loss, value_clip_frac and kl_coef.
     Every other numeric key is an extra column under its own name (`actor/ppo_kl`,
     `critic/score/mean`, `response_length/mean`, `response_length/clip_ratio`, ...:
     metric_utils.py `compute_data_metrics`, token-based); rlscope reads the logged reward,

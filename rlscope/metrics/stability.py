@@ -412,3 +412,133 @@ DECLARED.metric(
         ),
     )
 )
+
+
+# --- PPO with a critic: the value function and the KL controller, from tokens or as logged -----
+
+_RET, _DIFF = f64("return"), f64("return") - f64("value")
+#: verl metric_utils.py `compute_data_metrics`: 1 - Var(R - V) / (Var(R) + 1e-5).
+EV_EPS = 1e-5
+
+
+def _unbiased_var(total: str, squares: str, n: str) -> pl.Expr:
+    """Var from per-step sums (Float64), with n - 1 (torch.var's default, as verl)."""
+    count = pl.col(n)
+    return (pl.col(squares) - pl.col(total) ** 2 / count) / (count - 1)
+
+
+def _explained_variance(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+    names = ["ev_n", "ev_r", "ev_r2", "ev_d", "ev_d2"]
+    sums = step_sums(frame, names)
+    value = 1.0 - _unbiased_var("ev_d", "ev_d2", "ev_n") / (
+        _unbiased_var("ev_r", "ev_r2", "ev_n") + EV_EPS
+    )
+    return sums.select("step", pl.when(pl.col("ev_n") >= 2).then(value).alias("value"))
+
+
+DECLARED.metric(
+    Metric(
+        id="stability.explained_variance",
+        brief="critic: 1 − Var(return − value)/Var(return) over response tokens, else as logged",
+        logged_as=("explained_variance", "critic/vf_explained_var"),
+        layer="L1",
+        title="Critic explained variance",
+        doc="PPO with a learned critic: per step, how much of the variance of the returns the "
+        "value function explains, over response tokens: 1 − Var(return − value) / (Var(return) "
+        "+ 1e-5), variances with n − 1 (verl metric_utils.py `compute_data_metrics` "
+        "`critic/vf_explained_var`, the same formula), from tokens `value` and `return`; else "
+        "the steps table's `explained_variance` or verl's logged `critic/vf_explained_var`. "
+        "1 = the critic predicts every return, 0 = no better than a constant, < 0 = worse than "
+        "a constant. GAE's advantages are returns minus values: at or below 0 they are the "
+        "returns' noise, and the policy learns from noise.",
+        healthy="rising above 0 after the first steps (often 0.3–0.9 once the critic has learnt)",
+        references="verl critic/vf_explained_var; Schulman et al. 2016 (GAE)",
+        variants=(
+            custom(
+                "tokens",
+                ("value", "return"),
+                _explained_variance,
+                {
+                    "ev_n": _DIFF.count(),
+                    "ev_r": pl.when(_DIFF.is_not_null()).then(_RET).sum(),
+                    "ev_r2": pl.when(_DIFF.is_not_null()).then(_RET**2).sum(),
+                    "ev_d": _DIFF.sum(),
+                    "ev_d2": (_DIFF**2).sum(),
+                },
+                source="tokens: 1 - Var(return - value) / (Var(return) + 1e-5)",
+            ),
+            step_column("explained_variance"),
+            step_column(
+                "critic/vf_explained_var",
+                source="steps.critic/vf_explained_var as logged (verl, metric_utils.py)",
+            ),
+        ),
+    )
+)
+
+DECLARED.metric(
+    Metric(
+        id="stability.value_loss",
+        brief="critic value loss as logged",
+        layer="L1",
+        title="Critic value loss",
+        doc="PPO with a learned critic: the value loss per step as the trainer logged it (format "
+        "v1 `value_loss`; verl `critic/vf_loss`, dp_critic.py `update_critic`, the clipped "
+        "squared error summed over its micro-batches; OpenRLHF `critic_loss`, ppo_critic.py). "
+        "Its scale is the returns' squared scale, so its level means little across runs; its "
+        "course does: falling then flat while the critic learns, rising by orders of magnitude "
+        "or non-finite when it diverges.",
+        healthy="falls in the first steps, then flat or slowly falling; never non-finite",
+        references="verl critic/vf_loss; OpenRLHF critic_loss",
+        variants=(
+            step_column("value_loss"),
+            step_column("critic/vf_loss", source="steps.critic/vf_loss as logged (verl)"),
+            step_column("critic_loss", source="steps.critic_loss as logged (OpenRLHF)"),
+        ),
+    )
+)
+
+DECLARED.metric(
+    Metric(
+        id="stability.value_clip_frac",
+        brief="share of value predictions clipped, as logged",
+        unit="share",
+        layer="L1",
+        title="Critic value clip fraction",
+        doc="PPO with a clipped value loss: the share of value predictions outside "
+        "old value ± cliprange_value whose clipped loss was used (format v1 `value_clip_frac`; "
+        "verl `critic/vf_clipfrac`, core_algos.py `compute_value_loss`). High means the critic "
+        "wants to move further each update than the clip allows.",
+        healthy="small (a few percent); near 0 with a critic that barely moves",
+        references="verl critic/vf_clipfrac",
+        variants=(
+            step_column("value_clip_frac", share=True),
+            step_column(
+                "critic/vf_clipfrac", source="steps.critic/vf_clipfrac as logged (verl)", share=True
+            ),
+        ),
+    )
+)
+
+DECLARED.metric(
+    Metric(
+        id="stability.kl_coef",
+        brief="KL penalty coefficient β in use, as logged",
+        layer="L1",
+        title="KL coefficient (β)",
+        doc="The coefficient of the KL penalty per step (format v1 `kl_coef`; verl "
+        "`actor/reward_kl_penalty_coeff`, ray_trainer.py `apply_kl_penalty`: the "
+        "AdaptiveKLController's value when kl_ctrl.type = adaptive, else the fixed β). An "
+        "adaptive controller raises β while the KL is above its target and lowers it below; "
+        "a β that keeps growing means the controller cannot pull the KL back.",
+        healthy="constant (fixed controller) or wandering around its initial value (adaptive)",
+        references="Ziegler et al. 2019 (adaptive KL); verl actor/reward_kl_penalty_coeff",
+        variants=(
+            step_column("kl_coef"),
+            step_column(
+                "actor/reward_kl_penalty_coeff",
+                source="steps.actor/reward_kl_penalty_coeff as logged (verl)",
+            ),
+        ),
+    )
+)

@@ -1,0 +1,122 @@
+"""PPO with a learned critic: explained variance from tokens (verl's formula), the value loss, the
+value clip fraction and the KL coefficient as the trainers log them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rlscope.analysis import analyze
+from rlscope.importers import import_run
+
+CRITIC = (
+    "stability.explained_variance",
+    "stability.value_loss",
+    "stability.value_clip_frac",
+    "stability.kl_coef",
+)
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "ppo-critic"
+
+
+def _verl_explained_variance(returns: np.ndarray, values: np.ndarray) -> float:
+    """verl metric_utils.py `compute_data_metrics`: 1 - Var(R - V) / (Var(R) + 1e-5), with
+    torch.var's default (n - 1)."""
+    return float(1.0 - np.var(returns - values, ddof=1) / (np.var(returns, ddof=1) + 1e-5))
+
+
+def test_explained_variance_from_tokens_is_verls(write_run: Any) -> None:
+    """Tokens over two files per step (the partial sums merge); a critic that explains part
+    of the returns, one that explains none (constant), one worse than a constant."""
+    rng = np.random.default_rng(0)
+    batches, expected = [], []
+    rid = 0
+    for step, (slope, noise) in enumerate([(0.8, 0.3), (0.0, 0.0), (-1.0, 0.5)]):
+        per_step_r, per_step_v = [], []
+        for _ in range(2):  # two files for the step
+            n = 50
+            ret = rng.normal(0.5, 1.0, n)
+            val = slope * ret + rng.normal(0, noise, n) if slope else np.full(n, 0.3)
+            per_step_r.append(ret)
+            per_step_v.append(val)
+            batches.append(
+                {
+                    "rollout_id": [rid + i // 10 for i in range(n)],
+                    "step": [step] * n,
+                    "pos": [i % 10 for i in range(n)],
+                    "value": val.astype(np.float32),
+                    "return": ret.astype(np.float32),
+                }
+            )
+            rid += n // 10
+        r = np.concatenate(per_step_r).astype(np.float32).astype(np.float64)
+        v = np.concatenate(per_step_v).astype(np.float32).astype(np.float64)
+        expected.append(_verl_explained_variance(r, v))
+    ids = sorted({i for b in batches for i in b["rollout_id"]})
+    rollouts = {
+        "rollout_id": ids,
+        "step": [next(b["step"][0] for b in batches if i in b["rollout_id"]) for i in ids],
+        "prompt_id": [f"p{i}" for i in ids],
+        "reward": [1.0] * len(ids),
+        "response_len": [10] * len(ids),
+    }
+    path = write_run({"rollouts": rollouts, "tokens": batches})
+    result = analyze(path, metrics=["stability.explained_variance"]).metrics[
+        "stability.explained_variance"
+    ]
+    assert list(result.values) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert result.values[1] == pytest.approx(0.0, abs=1e-4)  # a constant explains nothing
+    assert result.values[2] < 0  # anti-correlated: worse than a constant
+    assert result.source.startswith("tokens")
+
+
+def test_critic_metrics_as_written_with_format_names(write_run: Any) -> None:
+    steps = [
+        {
+            "step": s,
+            "loss": 0.1,
+            "value_loss": 1.0 / s,
+            "value_clip_frac": 0.01 * s,
+            "explained_variance": 0.1 * s,
+            "kl_coef": 0.02 * 1.1**s,
+        }
+        for s in range(1, 6)
+    ]
+    report = analyze(write_run({"steps": steps}))
+    for metric_id, column in zip(
+        CRITIC, ("explained_variance", "value_loss", "value_clip_frac", "kl_coef"), strict=True
+    ):
+        result = report.metrics[metric_id]
+        assert list(result.values) == pytest.approx([row[column] for row in steps])
+        assert result.source == f"steps.{column} as logged"
+
+
+@pytest.mark.parametrize("name", ["healthy", "frozen-critic"])
+def test_critic_metrics_read_from_verls_own_keys(tmp_path: Path, name: str) -> None:
+    """The genuine PPO runs in verl's file-logger format: every value as verl logged it."""
+    source = FIXTURES / f"{name}.jsonl"
+    lines = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    out = tmp_path / name
+    import_run("verl-metrics", source, out)
+    report = analyze(out)
+    for metric_id, key in zip(
+        CRITIC,
+        (
+            "critic/vf_explained_var",
+            "critic/vf_loss",
+            "critic/vf_clipfrac",
+            "actor/reward_kl_penalty_coeff",
+        ),
+        strict=True,
+    ):
+        result = report.metrics[metric_id]
+        assert list(result.values) == pytest.approx([line["data"][key] for line in lines])
+        assert "(verl" in result.source
+    ev = report.metrics["stability.explained_variance"]
+    if name == "frozen-critic":  # the head outputs 0: it explains nothing, at every step
+        assert max(abs(v) for v in ev.values if v is not None) < 1e-3
+    else:  # the critic learns
+        assert ev.value is not None and ev.value > 0.2
