@@ -120,3 +120,57 @@ def test_critic_metrics_read_from_verls_own_keys(tmp_path: Path, name: str) -> N
         assert max(abs(v) for v in ev.values if v is not None) < 1e-3
     else:  # the critic learns
         assert ev.value is not None and ev.value > 0.2
+
+
+# --- critic-not-learning ----------------------------------------------------------------------
+
+
+def _critic_finding(report: Any) -> Any:
+    return next((f for f in report.findings if f.id == "critic-not-learning"), None)
+
+
+def test_the_frozen_critic_is_named_and_the_healthy_one_is_not(tmp_path: Path) -> None:
+    """Genuine PPO runs (verl's format): a critic that never learns (explained variance 0 at
+    every step, value loss flat) against one that learns from step ~15 (tests/test_onsets.py:
+    silent at every prefix of the healthy one)."""
+    found = {}
+    for name in ("healthy", "frozen-critic"):
+        out = tmp_path / name
+        import_run("verl-metrics", FIXTURES / f"{name}.jsonl", out)
+        found[name] = _critic_finding(analyze(out))
+    assert found["healthy"] is None
+    frozen = found["frozen-critic"]
+    assert frozen is not None and frozen.severity == "critical"
+    assert abs(frozen.evidence["level"]) < 1e-3 and frozen.onset is not None
+    assert frozen.onset <= 20
+
+
+def _critic_steps(ev: list[float], value_loss: list[float] | None) -> list[dict[str, float]]:
+    rows = []
+    for i, e in enumerate(ev):
+        row = {"step": i + 1, "loss": 0.0, "explained_variance": e}
+        if value_loss is not None:
+            row["value_loss"] = value_loss[i]
+        rows.append(row)
+    return rows
+
+
+def test_a_critic_still_warming_up_is_not_judged(write_run: Any) -> None:
+    rng = np.random.default_rng(1)
+    ev = list(rng.normal(0.0, 0.005, 20))
+    falling = [0.2 * 0.9**i + rng.normal(0, 0.002) for i in range(20)]
+    flat = list(0.15 + rng.normal(0, 0.005, 20))
+    assert _critic_finding(analyze(write_run({"steps": _critic_steps(ev, falling)}))) is None
+    frozen = _critic_finding(analyze(write_run({"steps": _critic_steps(ev, flat)})))
+    assert frozen is not None and frozen.severity == "critical"
+    # Without a value loss, a flat explained variance of 0 is enough.
+    alone = _critic_finding(analyze(write_run({"steps": _critic_steps(ev, None)})))
+    assert alone is not None and alone.evidence["value_loss"] is None
+
+
+def test_a_critic_that_unlearns_warns(write_run: Any) -> None:
+    rng = np.random.default_rng(2)
+    ev = [0.6 - 0.5 * i / 29 + rng.normal(0, 0.02) for i in range(30)]
+    finding = _critic_finding(analyze(write_run({"steps": _critic_steps(ev, None)})))
+    assert finding is not None and finding.severity == "warn"
+    assert finding.evidence["first"] > 0.5 and finding.evidence["last"] < 0.25

@@ -867,3 +867,76 @@ def logged_metric_mismatch(ctx: RuleContext) -> Iterator[Finding]:
             metrics=list(mismatches),
             steps=[min(steps), max(steps)],
         )
+
+
+@DECLARED.rule(
+    "critic-not-learning",
+    brief="PPO critic: explained variance surely below 0.05 over the last steps while neither "
+    "it rises nor the value loss falls; or a learnt critic's explained variance halving",
+    layer="L1",
+    title="The critic does not learn: advantages are noise",
+    doc="PPO with a learned critic (GAE): the advantages are the returns minus the critic's "
+    "values, so a critic that explains nothing of the returns (stability.explained_variance "
+    "≤ 0) turns every advantage into the returns' noise and the policy drifts on it for many "
+    "steps before the reward shows it (a frozen critic, a critic learning rate of 0 or far too "
+    "low, a value head that is not trained). Critical when the final window's explained "
+    "variance is surely below `max_ev` (its mean plus two standard errors of its step-to-step "
+    "scatter: the sampling error of a variance ratio on a step's tokens shows up as that "
+    "scatter, so the bound holds at any batch size) and the critic shows no sign of learning: "
+    "its explained variance is not rising (first vs last fifth, z ≥ `z`, Student-t widened "
+    "for short runs) and its value loss (stability.value_loss, when logged) is not falling. A "
+    "critic that is still warming up has a falling value loss: it is not judged. A warning "
+    "when a critic that had learnt (a first-fifth explained variance of at least `learnt_ev`) "
+    "loses half of it, significantly. Calibrated on genuine PPO runs in verl's format "
+    "(../shared/fixtures/ppo-critic): the frozen critic's explained variance is 0.0000 at "
+    "every step with a flat value loss; the healthy critic's is 0 for its first ~15 steps "
+    "while its value loss falls 0.16 → 0.05, then 0.1–0.6.",
+    remedy="check the critic is trained (its learning rate, that its optimizer steps, that the "
+    "value head is not frozen); raise the critic learning rate or its warm-up "
+    "(verl critic.optim.lr, critic_warmup); check the returns' scale (reward normalisation) "
+    "and the value clip (cliprange_value) are not too tight.",
+    metrics=("stability.explained_variance",),
+    context=("stability.value_loss",),
+    params={
+        "max_ev": Param(0.05, "explained variance surely below this: the critic explains nothing"),
+        "learnt_ev": Param(0.2, "first-fifth explained variance of a critic that had learnt"),
+        "z": Param(2.0, "significance of a rise, a fall (z-score)"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+    severity="critical",
+)
+def critic_not_learning(ctx: RuleContext) -> Iterator[Finding]:
+    p = ctx.params
+    ev = ctx.series("stability.explained_variance")
+    if ev is None or len(ev) < p["min_steps"]:
+        return
+    level, se = final_mean(ev), final_se(ev)
+    trend = compare_windows(ev)
+    steps = [int(ev.steps[0]), int(ev.steps[-1])]
+    if level + 2 * se < p["max_ev"] and not trend.rising(p["z"]):
+        loss = ctx.series("stability.value_loss")
+        loss_trend = compare_windows(loss) if loss is not None and len(loss) >= 3 else None
+        if loss_trend is not None and loss_trend.falling(p["z"]):
+            return  # warming up: the value loss still falls
+        yield ctx.finding(
+            f"The critic explains {level:.3g} of the returns' variance over the last steps "
+            f"(explained variance, ± {se:.2g}), and it is not learning: its explained variance "
+            "is not rising"
+            + (" and its value loss is not falling" if loss_trend is not None else "")
+            + ": the advantages are the returns' noise.",
+            level=level,
+            se=se,
+            value_loss=[loss_trend.first, loss_trend.last] if loss_trend is not None else None,
+            steps=steps,
+        )
+    elif trend.first >= p["learnt_ev"] and trend.falling(p["z"]) and trend.last < trend.first / 2:
+        yield ctx.finding(
+            f"The critic is unlearning: explained variance {trend.first:.3g} → {trend.last:.3g} "
+            f"(first to last fifth, z = {trend.z:.1f}).",
+            severity="warn",
+            level=level,
+            se=se,
+            first=trend.first,
+            last=trend.last,
+            steps=steps,
+        )
