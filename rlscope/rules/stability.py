@@ -883,8 +883,10 @@ def logged_metric_mismatch(ctx: RuleContext) -> Iterator[Finding]:
     "variance is surely below `max_ev` (its mean plus two standard errors of its step-to-step "
     "scatter: the sampling error of a variance ratio on a step's tokens shows up as that "
     "scatter, so the bound holds at any batch size) and the critic shows no sign of learning: "
-    "its explained variance is not rising (first vs last fifth, z ≥ `z`, Student-t widened "
-    "for short runs) and its value loss (stability.value_loss, when logged) is not falling. A "
+    "its explained variance is not rising (first vs last fifth: by at least `min_rise` and "
+    "z ≥ `z`, Student-t widened for short runs; a frozen head's 1e-4 drifting by 1e-5 is "
+    "significant against its zero noise but is no learning) and its value loss "
+    "(stability.value_loss, when logged) is not falling (by `min_fall` of it, z ≥ `z`). A "
     "critic that is still warming up has a falling value loss: it is not judged. A warning "
     "when a critic that had learnt (a first-fifth explained variance of at least `learnt_ev`) "
     "loses half of it, significantly. Calibrated on genuine PPO runs in verl's format "
@@ -900,6 +902,8 @@ def logged_metric_mismatch(ctx: RuleContext) -> Iterator[Finding]:
     params={
         "max_ev": Param(0.05, "explained variance surely below this: the critic explains nothing"),
         "learnt_ev": Param(0.2, "first-fifth explained variance of a critic that had learnt"),
+        "min_rise": Param(0.02, "explained-variance rise (first to last fifth) that is learning"),
+        "min_fall": Param(0.1, "share of the value loss lost (first to last fifth): learning"),
         "z": Param(2.0, "significance of a rise, a fall (z-score)"),
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
     },
@@ -913,10 +917,15 @@ def critic_not_learning(ctx: RuleContext) -> Iterator[Finding]:
     level, se = final_mean(ev), final_se(ev)
     trend = compare_windows(ev)
     steps = [int(ev.steps[0]), int(ev.steps[-1])]
-    if level + 2 * se < p["max_ev"] and not trend.rising(p["z"]):
+    rising = trend.rising(p["z"]) and trend.delta >= p["min_rise"]
+    if level + 2 * se < p["max_ev"] and not rising:
         loss = ctx.series("stability.value_loss")
         loss_trend = compare_windows(loss) if loss is not None and len(loss) >= 3 else None
-        if loss_trend is not None and loss_trend.falling(p["z"]):
+        if (
+            loss_trend is not None
+            and loss_trend.falling(p["z"])
+            and loss_trend.last <= (1 - p["min_fall"]) * loss_trend.first
+        ):
             return  # warming up: the value loss still falls
         yield ctx.finding(
             f"The critic explains {level:.3g} of the returns' variance over the last steps "
