@@ -4,6 +4,8 @@ value clip fraction and the KL coefficient as the trainers log them."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,12 @@ import numpy as np
 import pytest
 
 from rlscope.analysis import analyze
+from rlscope.config import Config
+from rlscope.engine import Computed, compute
+from rlscope.evaluation import evaluate_prefix
 from rlscope.importers import import_run
+from rlscope.reader import open_run
+from rlscope.rules.base import MIN_TREND_STEPS
 
 CRITIC = (
     "stability.explained_variance",
@@ -174,3 +181,59 @@ def test_a_critic_that_unlearns_warns(write_run: Any) -> None:
     finding = _critic_finding(analyze(write_run({"steps": _critic_steps(ev, None)})))
     assert finding is not None and finding.severity == "warn"
     assert finding.evidence["first"] > 0.5 and finding.evidence["last"] < 0.25
+
+
+# --- a genuine PPO loop with a critic, in verl's format (slow): tests/trainers/torch_ppo_critic.py
+
+TRL_PYTHON = os.environ.get("RLSCOPE_TRL_PYTHON", "")
+PPO_LOOP = Path(__file__).parent / "trainers" / "torch_ppo_critic.py"
+
+
+def _ppo_run(tmp_path: Path, mode: str) -> Computed:
+    if not TRL_PYTHON:
+        pytest.skip("RLSCOPE_TRL_PYTHON (a Python with torch and transformers)")
+    log = tmp_path / f"{mode}.jsonl"
+    done = subprocess.run(
+        [TRL_PYTHON, str(PPO_LOOP), str(log), mode],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / mode
+    import_run("verl-metrics", log, out)
+    return compute(open_run(out))
+
+
+def _critical_at_prefixes(computed: Computed) -> dict[int, list[str]]:
+    steps = sorted(computed.results["stability.explained_variance"].steps)
+    found = {}
+    for step in steps[MIN_TREND_STEPS - 1 :]:
+        ids = [
+            f.id
+            for f in evaluate_prefix(computed, step, Config()).findings
+            if f.severity == "critical"
+        ]
+        if ids:
+            found[step] = ids
+    return found
+
+
+@pytest.mark.slow
+def test_a_healthy_ppo_run_is_never_critical(tmp_path: Path) -> None:
+    """Its critic warms up for ~20 steps (value loss falling, explained variance 0) and its KL
+    rises late (0 → 0.26 nats/token): no critical verdict at any prefix, so stop_on="critical"
+    would let it train."""
+    computed = _ppo_run(tmp_path, "healthy")
+    assert _critical_at_prefixes(computed) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["frozen-critic", "critic-diverges"])
+def test_a_critic_that_learns_nothing_is_critical(tmp_path: Path, mode: str) -> None:
+    computed = _ppo_run(tmp_path, mode)
+    critical = _critical_at_prefixes(computed)
+    last = max(critical)
+    assert critical[last] == ["critic-not-learning"]
+    assert len(critical) >= 40  # from its first steps on, at nearly every prefix
