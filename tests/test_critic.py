@@ -15,7 +15,7 @@ import pytest
 from rlscope.analysis import analyze
 from rlscope.config import Config
 from rlscope.engine import Computed, compute
-from rlscope.evaluation import evaluate_prefix
+from rlscope.evaluation import evaluate, evaluate_prefix
 from rlscope.importers import import_run
 from rlscope.reader import open_run
 from rlscope.rules.base import MIN_TREND_STEPS
@@ -230,6 +230,22 @@ def test_a_healthy_ppo_run_is_never_critical(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_critic_whose_learning_rate_jumps_diverges(tmp_path: Path) -> None:
+    """The critic's learning rate jumps from 3e-3 to 3 at step 30: value-divergence from the
+    first prefix that can see it, and the critic that learns nothing filed under it."""
+    computed = _ppo_run(tmp_path, "critic-lr-jump")
+    critical = _critical_at_prefixes(computed)
+    first = min(s for s, ids in critical.items() if "value-divergence" in ids)
+    assert 30 < first <= 36
+    assert all(ids == [] or "value-divergence" not in ids for s, ids in critical.items() if s < 30)
+    report_findings = evaluate(computed, Config()).findings
+    divergence = next(f for f in report_findings if f.id == "value-divergence")
+    assert divergence.evidence["last"] > 5 * divergence.evidence["first"]
+    follower = next(f for f in report_findings if f.id == "critic-not-learning")
+    assert follower.caused_by == ("value-divergence",)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["frozen-critic", "critic-diverges"])
 def test_a_critic_that_learns_nothing_is_critical(tmp_path: Path, mode: str) -> None:
     computed = _ppo_run(tmp_path, mode)
@@ -237,3 +253,25 @@ def test_a_critic_that_learns_nothing_is_critical(tmp_path: Path, mode: str) -> 
     last = max(critical)
     assert critical[last] == ["critic-not-learning"]
     assert len(critical) >= 40  # from its first steps on, at nearly every prefix
+
+
+# --- value-divergence ------------------------------------------------------------------------
+
+
+def _divergence(report: Any) -> Any:
+    return next((f for f in report.findings if f.id == "value-divergence"), None)
+
+
+def test_a_value_loss_up_an_order_of_magnitude_diverges(write_run: Any) -> None:
+    rng = np.random.default_rng(4)
+    calm = [0.2 * (1 + rng.normal(0, 0.1)) for _ in range(30)]
+    exploding = calm[:20] + [0.2 * 3.0**k * (1 + rng.normal(0, 0.1)) for k in range(1, 11)]
+    noisy = [0.2 * float(np.exp(rng.normal(0, 0.8))) for _ in range(30)]  # spiky, no trend
+    judged = {}
+    for name, losses in (("calm", calm), ("exploding", exploding), ("noisy", noisy)):
+        rows = [{"step": i + 1, "loss": 0.0, "value_loss": v} for i, v in enumerate(losses)]
+        judged[name] = _divergence(analyze(write_run({"steps": rows})))
+    assert judged["calm"] is None and judged["noisy"] is None
+    found = judged["exploding"]
+    assert found is not None and found.severity == "critical"
+    assert found.evidence["last"] / found.evidence["first"] > 10

@@ -958,3 +958,67 @@ def critic_not_learning(ctx: RuleContext) -> Iterator[Finding]:
             last=trend.last,
             steps=steps,
         )
+
+
+@DECLARED.rule(
+    "value-divergence",
+    brief="PPO critic: value loss up an order of magnitude or more (first to last fifth, "
+    "beyond its noise on a log scale)",
+    layer="L1",
+    title="The critic's value loss diverges",
+    doc="PPO with a learned critic: the value loss (stability.value_loss) of the last fifth of "
+    "the run is at least 10^`orders` times the first fifth's, significantly (z ≥ `z` on the "
+    "log10 of the loss, against its own step-to-step noise, Student-t widened for short runs). "
+    "The value loss is a squared error in the returns' units, so a ratio of its own windows "
+    "holds at any reward scale, batch size and run length, and a log scale makes a spike of a "
+    "few steps count as the few steps it is. A critic whose error grows by orders of magnitude "
+    "(a learning rate far too high, a return scale that exploded) gives advantages made of its "
+    "own noise, and its gradients can take the shared backbone with it. Measured on a genuine "
+    "CPU PPO loop whose critic learning rate jumps from 3e-3 to 3 at step 30: the value loss "
+    "goes 0.13 → 2e5 and settles near 2 (×10 the first fifth) with an explained variance "
+    "of −10 to −30.",
+    remedy="lower the critic learning rate (verl critic.optim.lr) or clip its gradient "
+    "(critic.grad_clip); tighten the value clip (cliprange_value); normalise the rewards or "
+    "returns; check the critic's warm-up schedule.",
+    explains={
+        "critic-not-learning": Explained(
+            "a critic whose error grew by orders of magnitude explains none of the returns: "
+            "the divergence came first"
+        )
+    },
+    metrics=("stability.value_loss",),
+    context=("stability.explained_variance",),
+    params={
+        "orders": Param(1.0, "orders of magnitude the value loss grew, first to last fifth"),
+        "z": Param(3.0, "z-score of the rise on a log10 scale"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+    severity="critical",
+)
+def value_divergence(ctx: RuleContext) -> Iterator[Finding]:
+    p = ctx.params
+    loss = ctx.series("stability.value_loss")
+    if loss is None or len(loss) < p["min_steps"]:
+        return
+    positive = loss.values > 0
+    if positive.sum() < p["min_steps"]:
+        return
+    logged = Series(loss.steps[positive], np.log10(loss.values[positive]))
+    trend = compare_windows(logged)
+    if not (trend.delta >= p["orders"] and trend.rising(p["z"])):
+        return
+    ev = ctx.series("stability.explained_variance")
+    yield ctx.finding(
+        f"The critic's value loss grew ×{10**trend.delta:.3g}: {10**trend.first:.3g} over the "
+        f"first steps → {10**trend.last:.3g} over the last (z = {trend.z:.1f} on a log scale)"
+        + (
+            f"; its explained variance ends at {final_mean(ev):.3g}"
+            if ev is not None and len(ev)
+            else ""
+        )
+        + ".",
+        first=10**trend.first,
+        last=10**trend.last,
+        z=trend.z,
+        steps=[trend.first_steps[0], trend.last_steps[1]],
+    )

@@ -21,6 +21,9 @@ MODE (measured, seed 0, 60 steps, ~7 s each on one thread; score 0.5 at step 1):
                   step), the advantages are the returns; the value loss rises 0.24 → 0.45.
   critic-diverges critic lr 1.0: the value loss is 215 at step 1, then 0.2–1 with spikes; the
                   critic never explains anything (explained variance −0.03 to 0.001).
+  critic-lr-jump  as healthy until step 29, then critic lr 3.0: the value loss goes 0.13 → 2e5
+                  at step 30 and settles near 2 (×10 the first steps); explained variance −10
+                  to −30 from then on.
   kl-runaway      adaptive KL with a target of 1e-6, far below any KL the policy reaches: β
                   grows by the controller's largest factor, ×1.064 a step (0.02 → 0.11).
 
@@ -38,14 +41,21 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
-MODES = ("healthy", "frozen-critic", "critic-diverges", "kl-runaway")
+MODES = ("healthy", "frozen-critic", "critic-diverges", "critic-lr-jump", "kl-runaway")
 VOCAB, LENGTH, BATCH = 16, 8, 32
 ACTOR_LR, GAMMA, LAM, CLIP, VALUE_CLIP = 1e-3, 1.0, 0.95, 0.2, 0.5
-CRITIC_LR = {"healthy": 3e-3, "frozen-critic": 0.0, "critic-diverges": 1.0, "kl-runaway": 3e-3}
+CRITIC_LR = {
+    "healthy": 3e-3,
+    "frozen-critic": 0.0,
+    "critic-diverges": 1.0,
+    "kl-runaway": 3e-3,
+    "critic-lr-jump": 3e-3,
+}
 KL = {"init": 0.02, "target": 0.1, "horizon": 100}
 CRITIC_EPOCHS = 4  # verl critic.ppo_epochs
 MAX_RESPONSE = 16  # the response length cap (data.max_response_length)
 SEED = 0
+JUMP_STEP, JUMP_LR = 30, 3.0  # critic-lr-jump: the critic's learning rate from that step
 
 
 class AdaptiveKLController:
@@ -114,6 +124,9 @@ def main(out: Path, mode: str, steps: int) -> None:
     kl_ctrl = AdaptiveKLController(KL["init"], target, KL["horizon"])
     with out.open("w") as log:
         for step in range(1, steps + 1):
+            if mode == "critic-lr-jump" and step == JUMP_STEP:
+                for group in critic_opt.param_groups:
+                    group["lr"] = JUMP_LR
             prompts = torch.randint(2, VOCAB, (BATCH, 1))
             with torch.no_grad():
                 ids = actor.generate(
@@ -211,7 +224,7 @@ def main(out: Path, mode: str, steps: int) -> None:
                 "critic/vf_clipfrac": mean(vf_clip),
                 "critic/vpred_mean": mean(vpreds),
                 "critic/grad_norm": mean(critic_norms),
-                "critic/lr": CRITIC_LR[mode],
+                "critic/lr": critic_opt.param_groups[0]["lr"],
                 "actor/reward_kl_penalty": current_kl,
                 "actor/reward_kl_penalty_coeff": beta,
                 "training/global_step": step,
