@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_qwen import sample, tiny_config
+from transformers import Qwen2ForCausalLM
 
 from rlscope.writer import RunWriter
 
@@ -56,19 +57,7 @@ def _sync(trainer: Qwen2ForCausalLM, sampler: Qwen2ForCausalLM, mode: str) -> No
 def main(run_dir: Path, mode: str, steps: int) -> None:
     torch.manual_seed(SEED)
     torch.set_num_threads(1)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
-        tie_word_embeddings=False,
-    )
+    config = tiny_config(VOCAB)
     trainer = Qwen2ForCausalLM(config)
     sampler = copy.deepcopy(trainer)
     if mode == "bf16":
@@ -80,20 +69,7 @@ def main(run_dir: Path, mode: str, steps: int) -> None:
         for step in range(1, steps + 1):
             prompts = torch.randint(2, VOCAB - 1, (GROUPS,))
             inputs = prompts.repeat_interleave(GROUP).unsqueeze(1)  # one-token prompts
-            with torch.no_grad():
-                generated = sampler.generate(
-                    inputs,
-                    attention_mask=torch.ones_like(inputs),
-                    do_sample=True,
-                    temperature=1.0,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=LENGTH,
-                    min_new_tokens=LENGTH,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=0,
-                )
+            generated = sample(sampler, inputs, LENGTH, logits=True)
             completions = generated.sequences[:, 1:]
             logits = torch.stack(generated.logits, dim=1).float()
             rollout_lp = torch.log_softmax(logits, -1).gather(-1, completions.unsqueeze(-1))[..., 0]

@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tiny_qwen import sample, tiny_config
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
 MODES = ("healthy", "frozen-critic", "critic-diverges", "critic-lr-jump", "kl-runaway")
@@ -102,19 +103,7 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
 def main(out: Path, mode: str, steps: int) -> None:
     torch.manual_seed(SEED)
     torch.set_num_threads(1)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
-        tie_word_embeddings=False,
-    )
+    config = tiny_config(VOCAB)
     actor = Qwen2ForCausalLM(config)
     reference = copy.deepcopy(actor).eval()
     critic = Critic(config)
@@ -129,17 +118,7 @@ def main(out: Path, mode: str, steps: int) -> None:
                     group["lr"] = JUMP_LR
             prompts = torch.randint(2, VOCAB, (BATCH, 1))
             with torch.no_grad():
-                ids = actor.generate(
-                    prompts,
-                    attention_mask=torch.ones_like(prompts),
-                    do_sample=True,
-                    temperature=1.0,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=LENGTH,
-                    min_new_tokens=LENGTH,
-                    pad_token_id=0,
-                )
+                ids = sample(actor, prompts, LENGTH).sequences
                 old_logp, _ = _logprobs(actor, ids)
                 ref_logp, _ = _logprobs(reference, ids)
                 values = critic(ids)[:, :-1]  # the value before each response token
