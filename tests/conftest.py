@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,41 @@ from rlscope.writer import RunWriter
 Tables = Mapping[str, Any]
 WriteRun = Callable[..., Path]
 CheckSeries = Callable[..., None]
+
+
+#: A Python with torch, transformers, TRL and rlscope (`make test-slow` sets it): the genuine
+#: trainers in tests/trainers run with it.
+TRL_PYTHON = os.environ.get("RLSCOPE_TRL_PYTHON", "")
+TRAINERS = Path(__file__).parent / "trainers"
+
+
+def run_trainer(
+    script: str, *args: str | Path, processes: int = 1, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    """tests/trainers/`script` with `args`, on TRL_PYTHON (skipped without it), on one thread
+    per process; `processes` > 1 launches it with torchrun. Fails with its stderr's tail."""
+    if not Path(TRL_PYTHON).is_file():
+        pytest.skip("RLSCOPE_TRL_PYTHON (a Python with torch, trl and rlscope; `make test-slow`)")
+    launch = [TRL_PYTHON]
+    if processes > 1:
+        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    done = subprocess.run(
+        [*launch, str(TRAINERS / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def trainer_constant(script: str, name: str) -> int:
+    """An integer constant `NAME = N` of tests/trainers/`script` (read, not imported: the
+    trainers need torch)."""
+    found = re.search(rf"^{name} = (\d+)", (TRAINERS / script).read_text(), re.M)
+    assert found is not None, f"{script} has no {name}"
+    return int(found.group(1))
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,12 @@ value clip fraction and the KL coefficient as the trainers log them."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import run_trainer
 
 from rlscope.analysis import analyze
 from rlscope.config import Config
@@ -185,22 +184,10 @@ def test_a_critic_that_unlearns_warns(write_run: Any) -> None:
 
 # --- a genuine PPO loop with a critic, in verl's format (slow): tests/trainers/torch_ppo_critic.py
 
-TRL_PYTHON = os.environ.get("RLSCOPE_TRL_PYTHON", "")
-PPO_LOOP = Path(__file__).parent / "trainers" / "torch_ppo_critic.py"
-
 
 def _ppo_run(tmp_path: Path, mode: str) -> Computed:
-    if not TRL_PYTHON:
-        pytest.skip("RLSCOPE_TRL_PYTHON (a Python with torch and transformers)")
     log = tmp_path / f"{mode}.jsonl"
-    done = subprocess.run(
-        [TRL_PYTHON, str(PPO_LOOP), str(log), mode],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_trainer("torch_ppo_critic.py", log, mode, timeout=600)
     out = tmp_path / mode
     import_run("verl-metrics", log, out)
     return compute(open_run(out))

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import statistics
-import subprocess
 from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_trainer
 
 import rlscope
 from rlscope.importers import import_run
@@ -510,20 +508,14 @@ def test_trl_eval_sets_named_by_option_and_sizes_unknown(tmp_path: Path) -> None
     assert gap.evidence["sampling_error"].startswith("step-to-step scatter only")
 
 
-TRL_PYTHON = os.environ.get("RLSCOPE_TRL_PYTHON", "")
-TWO_EVAL_SETS = Path(__file__).parent / "trainers" / "trl_two_eval_sets.py"
-
-
 @pytest.mark.slow
 def test_eval_sets_of_a_real_trl_run(tmp_path: Path) -> None:
     """A real GRPOTrainer run (tests/trainers/trl_two_eval_sets.py: a tiny policy, an `in_dist`
     and an `ood` eval set, 240 steps, ~20 s on CPU): every eval point of each set is read
     apart, as the trainer logged it, and L5 is judged from them (ID rises, OOD stays flat at
     the digits it never trained on)."""
-    if not Path(TRL_PYTHON).is_file():
-        pytest.skip("RLSCOPE_TRL_PYTHON (a Python with torch and trl; `make test-slow` sets it)")
     src = tmp_path / "trl-run"
-    subprocess.run([TRL_PYTHON, str(TWO_EVAL_SETS), str(src)], check=True, capture_output=True)
+    run_trainer("trl_two_eval_sets.py", src)
     history = json.loads((src / "trainer_state.json").read_text())["log_history"]
     logged: dict[tuple[int, str], tuple[float, int]] = {}
     for entry in history:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +13,7 @@ from typing import Any
 
 import polars as pl
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_trainer, trainer_constant
 from shapes import HEALTHY_SHAPES, write_shape
 
 from rlscope.analysis import analyze
@@ -288,9 +286,7 @@ def test_the_callback_judges_every_k_steps_and_stops_the_trainer(tmp_path: Path)
 
 # --- genuine TRL runs judged by the callback as they train (slow) ---------------------------------
 
-TRL_PYTHON = os.environ.get("RLSCOPE_TRL_PYTHON", "")
-LR_COLLAPSE = Path(__file__).parent / "trainers" / "trl_lr_collapse.py"
-JUMP_STEP = 25  # trl_lr_collapse.JUMP_STEP: the first step trained at 40x the learning rate
+JUMP_STEP = trainer_constant("trl_lr_collapse.py", "JUMP_STEP")  # the first step at 40x the lr
 
 
 def _trl_judged(
@@ -299,20 +295,10 @@ def _trl_judged(
     """A TRL GRPOTrainer run of `mode` with RlscopeCallback(judge_every=5, stop_on="critical")
     on `processes` CPU processes (torchrun, gloo): each process' summary (the main one's
     first), the trainer's output directory and the run directory the callback wrote."""
-    if not TRL_PYTHON:
-        pytest.skip("RLSCOPE_TRL_PYTHON (a Python with torch, trl and rlscope; `make test-slow`)")
     out, run = tmp_path / "trainer", tmp_path / "run"
-    launch = [TRL_PYTHON]
-    if processes > 1:
-        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
-    done = subprocess.run(
-        [*launch, str(LR_COLLAPSE), str(out), mode, "50", "--judge", str(run), "critical", "5"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    done = run_trainer(
+        "trl_lr_collapse.py", out, mode, "50", "--judge", run, "critical", "5", processes=processes
     )
-    assert done.returncode == 0, done.stderr[-4000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"steps"')]
     summaries = sorted((json.loads(line) for line in lines), key=lambda s: -len(s["judgements"]))
     assert len(summaries) == processes

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,7 +12,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_trainer
 
 from rlscope.analysis import analyze
 from rlscope.catalog import default_catalog
@@ -298,22 +296,10 @@ def test_trl_logged_sampling_statistics_are_read(tmp_path: Path) -> None:
 
 # --- a genuine sampler and trainer (slow): tests/trainers/torch_mismatch.py -------------------
 
-TRL_PYTHON = os.environ.get("RLSCOPE_TRL_PYTHON", "")
-MISMATCH_RUN = Path(__file__).parent / "trainers" / "torch_mismatch.py"
-
 
 def _genuine(tmp_path: Path, mode: str) -> Path:
-    if not TRL_PYTHON:
-        pytest.skip("RLSCOPE_TRL_PYTHON (a Python with torch, transformers and rlscope)")
     run = tmp_path / mode
-    done = subprocess.run(
-        [TRL_PYTHON, str(MISMATCH_RUN), str(run), mode],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_trainer("torch_mismatch.py", run, mode, timeout=600)
     return run
 
 

@@ -4,14 +4,13 @@ any prefix (issue "Root cause first")."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import run_trainer, trainer_constant
 
 from rlscope.analysis import analyze
 from rlscope.catalog import default_catalog
@@ -261,15 +260,10 @@ def test_prefix_judgement_equals_a_fresh_analysis_of_the_prefix(tmp_path: Path) 
 
 # --- genuine TRL runs the suite makes (tests/trainers/trl_lr_collapse.py) ------------------------
 
-TRL_PYTHON = os.environ.get("RLSCOPE_TRL_PYTHON", "")
-LR_COLLAPSE = Path(__file__).parent / "trainers" / "trl_lr_collapse.py"
-
 
 def _trl_run(tmp_path: Path, mode: str) -> Report:
-    if not Path(TRL_PYTHON).is_file():
-        pytest.skip("RLSCOPE_TRL_PYTHON (a Python with torch and trl; `make test-slow` sets it)")
     src = tmp_path / mode
-    subprocess.run([TRL_PYTHON, str(LR_COLLAPSE), str(src), mode], check=True, capture_output=True)
+    run_trainer("trl_lr_collapse.py", src, mode)
     return analyze(src, from_format="trl", import_options=TRL, cache_dir=tmp_path / "cache")
 
 
@@ -293,7 +287,7 @@ def test_a_learning_rate_too_high_from_step_1_is_named_as_a_collapse(tmp_path: P
 def test_a_mid_run_learning_rate_jump_collapses_after_the_jump(tmp_path: Path) -> None:
     """The healthy learning rate, then x40 from step JUMP_STEP: the collapse is named after the
     jump, with the learning rate's change, and nothing is raised before it."""
-    jump = int(re.search(r"^JUMP_STEP = (\d+)", LR_COLLAPSE.read_text(), re.M).group(1))  # type: ignore[union-attr]
+    jump = trainer_constant("trl_lr_collapse.py", "JUMP_STEP")
     report = _trl_run(tmp_path, "jump")
     collapse = next(f for f in report.findings if f.id == "performance-regression")
     assert collapse.onset is not None and collapse.onset > jump
