@@ -19,6 +19,7 @@ pytest.importorskip("tensorboard")
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
+from trainer_keys import openrlhf_status
 
 runner = CliRunner()
 
@@ -126,25 +127,68 @@ def test_trl_tags_as_tensors(tmp_path: Path) -> None:
     assert frame["train/epoch"][-1] == pytest.approx(3.0, rel=1e-6)  # unknown tag: extra column
 
 
+def write_openrlhf(folder: Path, steps: range, *, kl: float = 0.0) -> None:
+    """OpenRLHF's TensorboardLogger.log_train (openrlhf/utils/logging_utils.py, v0.11.0) on the
+    writer under torch's SummaryWriter (tensorboard's EventFileWriter): add_scalar("train/<k>")
+    for the status dict, add_text("train/generated_samples") for the sample."""
+    folder.mkdir(parents=True, exist_ok=True)
+    writer = EventFileWriter(str(folder))
+    for step in steps:
+        summary = summary_pb2.Summary()
+        for key, value in openrlhf_status(step, kl=kl, critic=True).items():
+            summary.value.add(tag=f"train/{key}", simple_value=value)
+        text = summary.value.add(
+            tag="train/generated_samples",
+            tensor=tensor_util.make_tensor_proto(f"Sample:\\nq{step} a{step}\n\nReward: 0.5"),
+        )
+        text.metadata.plugin_data.plugin_name = "text"
+        writer.add_event(event_pb2.Event(step=step, wall_time=1000.0 + step, summary=summary))
+    writer.close()
+
+
 def test_openrlhf_tags(tmp_path: Path) -> None:
-    rows = {
-        s: {
-            "train/policy_loss": -0.02,
-            "train/kl": 0.004,
-            "train/reward": 0.5,
-            "train/response_length": 321.0,
-            "train/actor_lr": 5e-7,
-            "train/critic_loss": 0.3,
-        }
-        for s in range(1, 4)
-    }
-    write_events(tmp_path / "logs", rows)
+    write_openrlhf(tmp_path / "logs" / "run", range(1, 4))
+    result = import_run("tensorboard", tmp_path / "logs", tmp_path / "out")
+    frame = steps_of(tmp_path / "out")
+    assert frame["loss"].to_list() == pytest.approx([-0.01, -0.02, -0.03], rel=1e-6)
+    assert frame["response_len"][0] == pytest.approx(201.0)
+    assert frame["lr"][0] == pytest.approx(5e-7, rel=1e-6)
+    assert frame["grad_norm"][0] == pytest.approx(0.51, rel=1e-6)
+    assert frame["entropy"][0] == pytest.approx(1.49, rel=1e-6)
+    assert frame["clip_frac"][0] == pytest.approx(0.002, rel=1e-6)
+    assert frame["reward"][-1] == pytest.approx(0.3, rel=1e-6)
+    # the whole rollout batch's rate is read; the per-sample flag's mean stays an extra column
+    assert frame["truncation_rate"].to_list() == pytest.approx([0.0625] * 3)
+    assert frame["train/truncated"][0] == pytest.approx(0.05, rel=1e-6)
+    assert frame["critic_loss"][0] == pytest.approx(0.3, rel=1e-6)
+    # no reference model: train/kl is 0.0 at every step, "not computed", not a KL of 0
+    assert "kl" not in frame.columns
+    assert frame["train/kl"].to_list() == [0.0] * 3
+    assert any("train/kl is 0 at every step" in n for n in result.notes)
+    assert any("generated_samples" in n for n in result.notes)  # the text sample, skipped
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert run["provenance"]["kl"].startswith("not computed: train/kl")
+    assert run["provenance"]["truncation"] == "train/rollout/truncated_rate as logged"
+
+
+def test_openrlhf_kl_read_with_a_reference_model(tmp_path: Path) -> None:
+    write_openrlhf(tmp_path / "logs", range(1, 4), kl=0.004)
     import_run("tensorboard", tmp_path / "logs", tmp_path / "out")
     frame = steps_of(tmp_path / "out")
-    assert frame["loss"][0] == pytest.approx(-0.02, rel=1e-6)
-    assert frame["response_len"][0] == pytest.approx(321.0)
-    assert frame["lr"][0] == pytest.approx(5e-7, rel=1e-6)
-    assert frame["train/critic_loss"][0] == pytest.approx(0.3, rel=1e-6)
+    assert frame["kl"].to_list() == pytest.approx([0.004] * 3, rel=1e-6)
+
+
+def test_verl_reward_kl_penalty_is_the_kl_without_a_kl_loss(tmp_path: Path) -> None:
+    rows = _verl_rows(6)
+    for step, row in rows.items():
+        row["actor/reward_kl_penalty"] = 0.001 * step
+    write_events(tmp_path / "tb", rows)
+    import_run("tensorboard", tmp_path / "tb", tmp_path / "out")
+    frame = steps_of(tmp_path / "out")
+    assert frame["kl"].to_list() == pytest.approx([0.001 * s for s in range(1, 7)], rel=1e-6)
+    assert frame["actor/kl_loss"].to_list() == [0.0] * 6
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert run["provenance"]["kl"].startswith("actor/reward_kl_penalty")
 
 
 def test_nan_grad_norm_is_kept_and_fires_divergence(tmp_path: Path) -> None:

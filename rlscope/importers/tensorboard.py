@@ -9,52 +9,13 @@ from typing import Any
 
 from rlscope.errors import RlscopeError
 from rlscope.importers._common import StepRows
+from rlscope.importers._tags import TAGS, all_zero_rows, resolve, with_mapping
 from rlscope.importers.options import COMMON_OPTIONS
 from rlscope.importers.session import Importer, Session
 
 #: The optional extra that brings the event-file reader.
 EXTRA = "tensorboard"
 EVENT_GLOB = "*tfevents*"
-
-#: verl: `trainer.logger=[tensorboard]` writes every metric with `add_scalar(key, value, step)`
-#: under the same names as its file logger (verl/utils/tracking.py, `_TensorboardAdapter.log`).
-VERL_TAGS = {
-    "actor/pg_loss": "loss",
-    "actor/grad_norm": "grad_norm",
-    "actor/lr": "lr",
-    "actor/pg_clipfrac": "clip_frac",
-    "actor/entropy": "entropy",
-    "actor/kl_loss": "kl",  # only when not identically 0 (the KL loss is off by default)
-    "critic/score/mean": "reward",
-    "response_length/mean": "response_len",
-    "response_length/clip_ratio": "truncation_rate",
-}
-#: transformers' TensorBoardCallback (transformers/integrations/integration_utils.py,
-#: `TensorBoardCallback.on_log` after `rewrite_logs`): the trainer's log keys under `train/`
-#: (`eval_*` under `eval/`), at `state.global_step`; TRL's GRPOTrainer logs these keys.
-TRL_TAGS = {
-    "train/loss": "loss",
-    "train/grad_norm": "grad_norm",
-    "train/learning_rate": "lr",
-    "train/reward": "reward",
-    "train/kl": "kl",
-    "train/entropy": "entropy",
-    "train/clip_ratio/region_mean": "clip_frac",
-    "train/completions/mean_length": "response_len",
-    "train/completions/clipped_ratio": "truncation_rate",
-}
-#: OpenRLHF's PPO trainer (openrlhf/trainer/ppo_trainer.py, `save_logs_and_checkpoints`):
-#: `add_scalar(f"train/{k}", v, global_step)` for its status dict.
-OPENRLHF_TAGS = {
-    "train/policy_loss": "loss",
-    "train/actor_lr": "lr",
-    "train/ppo_clip_ratio": "clip_frac",
-    "train/response_length": "response_len",
-    # train/kl and train/reward: the same tags as TRL's, with the same meaning.
-}
-TAGS: dict[str, str] = {**VERL_TAGS, **TRL_TAGS, **OPENRLHF_TAGS}
-#: Tags read as the KL only when some step logged a non-zero value.
-ZERO_MEANS_OFF = ("actor/kl_loss",)
 
 
 def _loader() -> Any:
@@ -131,34 +92,11 @@ def import_tensorboard(session: Session) -> None:
     own `EventFileLoader` (no sampling); several values of one tag at one step (a resumed run,
     several files) keep the last one read.
 
-    Mapping (tag -> steps column), per trainer, from the code that writes the tags:
+    {MAPPING}
 
-      verl (`trainer.logger=[tensorboard]`; verl/utils/tracking.py `_TensorboardAdapter.log`,
-      the same names as its file logger): actor/pg_loss -> loss, actor/grad_norm -> grad_norm,
-      actor/lr -> lr, actor/pg_clipfrac -> clip_frac, actor/entropy -> entropy (as logged: with
-      loss_agg_mode other than token-mean it is not a token mean), critic/score/mean -> reward,
-      response_length/mean -> response_len (tokens), response_length/clip_ratio ->
-      truncation_rate, actor/kl_loss -> kl only when some step logged a non-zero value (with
-      the KL loss off, verl's default since 0.7, it logs 0.0 at every step: kept as the extra
-      column `actor/kl_loss`, never read as the KL).
-
-      transformers / TRL (`report_to="tensorboard"`; transformers/integrations/
-      integration_utils.py `TensorBoardCallback.on_log`, which prefixes `train/`): train/loss
-      -> loss, train/grad_norm -> grad_norm, train/learning_rate -> lr, train/reward -> reward,
-      train/kl -> kl, train/entropy -> entropy, train/clip_ratio/region_mean -> clip_frac,
-      train/completions/mean_length -> response_len, train/completions/clipped_ratio ->
-      truncation_rate.
-
-      OpenRLHF (`--use_tensorboard`; openrlhf/trainer/ppo_trainer.py, `add_scalar(f"train/{k}",
-      v, global_step)`): train/policy_loss -> loss, train/actor_lr -> lr, train/ppo_clip_ratio
-      -> clip_frac, train/response_length -> response_len, train/kl -> kl, train/reward ->
-      reward.
-
-    Every other scalar tag is an extra column under its own name (`eval/...`, `critic/...`,
-    `actor/ppo_kl`, ...; a tag named like a format-v1 column becomes `raw_<tag>`). Histograms,
-    images and text are skipped and counted in the notes. The step is the event's step
-    (verl's global step, the Trainer's global_step). A source with no event file, or whose
-    files hold no scalar, is an error."""
+    Histograms, images and text are skipped and counted in the notes. The step is the event's
+    step (verl's global step, the Trainer's and OpenRLHF's global_step). A source with no event
+    file, or whose files hold no scalar, is an error."""
     loader = _loader()
     files = event_files(session.source)
     if not files:
@@ -186,20 +124,11 @@ def import_tensorboard(session: Session) -> None:
             f"{session.source}: the event files hold no scalar value",
             hint="rlscope reads scalars (add_scalar / tf.summary.scalar)",
         )
-    mapping = dict(TAGS)
-    for tag in ZERO_MEANS_OFF:
-        seen = [v for _, rows in per_file for r in rows.values() if (v := r.get(tag)) is not None]
-        if seen and all(v == 0.0 for v in seen):
-            del mapping[tag]
-            session.notes.append(
-                f"{tag} is 0 at every step: the KL loss is off (verl's default since 0.7), so "
-                f"it is kept as the extra column `{tag}`, not read as the KL"
-            )
-    mapped = [t for t in mapping if any(t in r for _, rows in per_file for r in rows.values())]
-    if mapped:
-        session.notes.append(
-            "tags read as steps columns: " + ", ".join(f"{t} -> {mapping[t]}" for t in mapped)
-        )
+    resolved = resolve(all_zero_rows((r for _, rows in per_file for r in rows.values()), TAGS))
+    mapping = resolved.mapping
+    session.notes += resolved.notes
+    if resolved.provenance:
+        session.meta["provenance"] = {**session.meta.get("provenance", {}), **resolved.provenance}
     for path, by_step in per_file:
         rows = StepRows(mapping)
         for step in sorted(by_step):
@@ -216,6 +145,9 @@ def import_tensorboard(session: Session) -> None:
             f"{sum(skipped.values()):,} non-scalar summaries skipped (tags {tags}"
             f"{' ...' if len(skipped) > 5 else ''})"
         )
+
+
+import_tensorboard.__doc__ = with_mapping(import_tensorboard.__doc__)
 
 
 def _finite_or_nan(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

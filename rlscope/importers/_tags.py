@@ -1,0 +1,221 @@
+"""Trainer metric names -> steps columns: the one mapping of TensorBoard, W&B and MLflow imports."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from rlscope.importers._common import RESERVED_STEPS
+
+#: verl: `Tracking.log(data, step=global_steps)` sends one dict to every logger under the same
+#: names (verl/utils/tracking.py: `_TensorboardAdapter.log` add_scalar, `wandb.log`, and
+#: `_MlflowLoggingAdapter.log` with its key sanitising, undone by the MLflow importer).
+VERL_TAGS = {
+    "actor/pg_loss": "loss",
+    "actor/grad_norm": "grad_norm",
+    "actor/lr": "lr",
+    "actor/pg_clipfrac": "clip_frac",
+    "actor/entropy": "entropy",
+    "actor/kl_loss": "kl",  # only when not identically 0 (the KL loss is off by default)
+    # use_kl_in_reward: the k1 KL applied through the reward (ray_trainer.py apply_kl_penalty),
+    # read as the KL when actor/kl_loss is absent or 0 at every step
+    "actor/reward_kl_penalty": "kl",
+    "critic/score/mean": "reward",
+    "response_length/mean": "response_len",
+    "response_length/clip_ratio": "truncation_rate",
+}
+#: transformers' Trainer log keys (`log_history`, and what its MLflowCallback logs as they are,
+#: transformers/integrations/integration_utils.py `MLflowCallback.on_log`); TRL's GRPOTrainer
+#: logs these.
+TRL_NAMES = {
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "learning_rate": "lr",
+    "reward": "reward",
+    "kl": "kl",
+    "entropy": "entropy",
+    "clip_ratio/region_mean": "clip_frac",
+    "completions/mean_length": "response_len",
+    "completions/clipped_ratio": "truncation_rate",
+}
+#: The same under `train/` (`eval_*` under `eval/`): `rewrite_logs` in integration_utils.py,
+#: used by its TensorBoardCallback and WandbCallback.
+TRL_TAGS = {f"train/{k}": v for k, v in TRL_NAMES.items()}
+#: OpenRLHF (openrlhf/utils/logging_utils.py since v0.9.1, `WandbLogger.log_train` and
+#: `TensorboardLogger.log_train`: `train/<key>` for the status dict of ppo_trainer.py
+#: `train_step`; before, the same keys from ppo_trainer.py `save_logs_and_checkpoints`).
+OPENRLHF_TAGS = {
+    "train/policy_loss": "loss",
+    "train/actor_lr": "lr",
+    "train/actor_grad_norm": "grad_norm",  # v0.9.6 on (ray/ppo_actor.py training_step)
+    "train/ppo_clip_ratio": "clip_frac",
+    # token-mean entropy, logged when actor.entropy_coef is set (ray/ppo_actor.py)
+    "train/entropy_loss": "entropy",
+    "train/response_length": "response_len",
+    # v0.9.8 on: the rollout batch before dynamic batching (ppo_trainer.py
+    # _compute_rollout_stats); else the per-sample `truncated` flag's mean (v0.9.9 on)
+    "train/rollout/truncated_rate": "truncation_rate",
+    "train/truncated": "truncation_rate",
+    "train/critic_loss": "critic_loss",  # read by stability.value_loss
+    # train/kl and train/reward: the same tags as TRL's, with the same meaning.
+}
+TAGS: dict[str, str] = {**VERL_TAGS, **TRL_TAGS, **OPENRLHF_TAGS}
+#: Keys read as the KL only when some step logged a non-zero value, and why a series of zeros
+#: is not a KL of 0.
+ZERO_MEANS_OFF = {
+    "actor/kl_loss": "the KL loss is off (verl's default since 0.7)",
+    "train/kl": "OpenRLHF logs 0 when it has no reference model (init_kl_coef 0)",
+}
+#: Keys naming one column: the first present (and not all-zero above) is read, the others stay
+#: extra columns under their own names.
+PREFERRED = (
+    ("actor/kl_loss", "actor/reward_kl_penalty"),
+    ("train/rollout/truncated_rate", "train/truncated"),
+)
+
+
+@dataclass
+class Resolved:
+    """The mapping for one run (source key -> steps column), with what to say about it."""
+
+    mapping: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+    provenance: dict[str, str] = field(default_factory=dict)
+
+
+def resolve(all_zero: Mapping[str, bool], names: Mapping[str, str] = TAGS) -> Resolved:
+    """The mapping for a run whose keys are `all_zero` (key -> every value logged is 0), from
+    `names`: ZERO_MEANS_OFF keys that are 0 at every step are left out, then one key per
+    PREFERRED group, then one key per column (the first in `names`' order)."""
+    out = Resolved({})
+    off = {k for k in ZERO_MEANS_OFF if all_zero.get(k)}
+    dropped: set[str] = set(off)
+    for group in PREFERRED:
+        present = [k for k in group if k in all_zero and k in names and k not in off]
+        dropped.update(present[1:])
+    for key, column in names.items():
+        if key in all_zero and key not in dropped and column not in out.mapping.values():
+            out.mapping[key] = column
+    for key in sorted(off):
+        out.notes.append(
+            f"{key} is 0 at every step: {ZERO_MEANS_OFF[key]}, so it is kept as the extra "
+            f"column `{key}`, not read as the KL"
+        )
+    kl = next((k for k, c in out.mapping.items() if c == "kl"), None)
+    if kl == "actor/reward_kl_penalty":
+        out.provenance["kl"] = (
+            "actor/reward_kl_penalty: the k1 KL applied through the reward (verl "
+            "use_kl_in_reward; ray_trainer.py apply_kl_penalty)"
+            + ("; actor/kl_loss is 0 at every step" if "actor/kl_loss" in off else "")
+        )
+    elif kl is not None:
+        out.provenance["kl"] = f"{kl} as logged"
+    elif off:
+        out.provenance["kl"] = "not computed: " + "; ".join(
+            f"{k} is 0.0 at every step ({ZERO_MEANS_OFF[k]}), kept as the extra column {k}"
+            for k in sorted(off)
+        )
+    truncation = next((k for k, c in out.mapping.items() if c == "truncation_rate"), None)
+    if truncation is not None:
+        out.provenance["truncation"] = f"{truncation} as logged"
+    mapped = list(out.mapping)
+    if mapped:
+        out.notes.append(
+            "keys read as steps columns: " + ", ".join(f"{k} -> {out.mapping[k]}" for k in mapped)
+        )
+    return out
+
+
+def all_zero_rows(rows: Iterable[Mapping[str, float]], keys: Iterable[str]) -> dict[str, bool]:
+    """For each of `keys` logged in `rows`: whether every value is 0 (NaN counts as not 0)."""
+    out: dict[str, bool] = {}
+    wanted = set(keys)
+    for row in rows:
+        for key in wanted.intersection(row):
+            value = row[key]
+            out[key] = out.get(key, True) and value == 0.0 and not math.isnan(value)
+    return out
+
+
+def all_zero_frame(frame: pl.DataFrame, keys: Iterable[str]) -> dict[str, bool]:
+    """The same for the columns of a frame (nulls: not logged at that step)."""
+    present = [k for k in keys if k in frame.columns]
+    if not present:
+        return {}
+    row = frame.select((pl.col(k).drop_nulls() == 0.0).all().alias(k) for k in present).row(
+        0, named=True
+    )
+    logged = frame.select(pl.col(k).is_not_null().any().alias(k) for k in present).row(
+        0, named=True
+    )
+    return {k: bool(row[k]) for k in present if logged[k]}
+
+
+def step_columns(frame: pl.DataFrame, mapping: Mapping[str, str]) -> pl.DataFrame:
+    """Source keys renamed to steps columns (`mapping`), other keys carrying a format-v1 name
+    kept as `raw_<key>`, and non-finite values NaN (a non-finite loss or grad norm is a
+    divergence, not a missing value)."""
+    renames = {k: v for k, v in mapping.items() if k in frame.columns}
+    renames.update(
+        {
+            k: f"raw_{k}"
+            for k in frame.columns
+            if k != "step" and k not in mapping and k in RESERVED_STEPS
+        }
+    )
+    frame = frame.rename(renames)
+    floats = [c for c, t in frame.schema.items() if c != "step" and t.is_float()]
+    return frame.with_columns(
+        pl.when(pl.col(c).is_infinite()).then(math.nan).otherwise(pl.col(c)).alias(c)
+        for c in floats
+    )
+
+
+#: The mapping in words, for the docs of the importers that use it (`rlscope formats NAME`).
+MAPPING_DOC = """\
+Mapping (source key -> steps column), per trainer, from the code that writes the keys:
+
+  verl (verl/utils/tracking.py `Tracking.log`, the same names for every logger): actor/pg_loss
+  -> loss, actor/grad_norm -> grad_norm, actor/lr -> lr, actor/pg_clipfrac -> clip_frac,
+  actor/entropy -> entropy (as logged: with loss_agg_mode other than token-mean it is not a
+  token mean), critic/score/mean -> reward, response_length/mean -> response_len (tokens),
+  response_length/clip_ratio -> truncation_rate, actor/kl_loss -> kl only when some step
+  logged a non-zero value (with the KL loss off, verl's default since 0.7, it logs 0.0 at
+  every step: kept as the extra column `actor/kl_loss`, never read as the KL); without it
+  (absent or all 0), actor/reward_kl_penalty -> kl (use_kl_in_reward: the k1 KL applied
+  through the reward, ray_trainer.py `apply_kl_penalty`).
+
+  transformers / TRL (transformers/integrations/integration_utils.py `rewrite_logs`, used by
+  `TensorBoardCallback.on_log` and `WandbCallback.on_log`: the Trainer's log keys under
+  `train/`, `eval_*` as `eval/*`): train/loss -> loss, train/grad_norm -> grad_norm,
+  train/learning_rate -> lr, train/reward -> reward, train/kl -> kl, train/entropy -> entropy,
+  train/clip_ratio/region_mean -> clip_frac, train/completions/mean_length -> response_len,
+  train/completions/clipped_ratio -> truncation_rate.
+
+  OpenRLHF (openrlhf/utils/logging_utils.py `WandbLogger.log_train` /
+  `TensorboardLogger.log_train` since v0.9.1, `train/<key>` for the status dict of
+  ppo_trainer.py `train_step`; flag `--logger.tensorboard_dir` since v0.10.2, `--use_tensorboard`
+  before; up to v0.9.0 ppo_trainer.py wrote TensorBoard only when W&B was off):
+  train/policy_loss -> loss, train/actor_lr -> lr, train/actor_grad_norm -> grad_norm (v0.9.6
+  on), train/ppo_clip_ratio -> clip_frac, train/entropy_loss -> entropy (a token mean, logged
+  when actor.entropy_coef is set), train/response_length -> response_len, train/reward ->
+  reward, train/kl -> kl only when some step logged a non-zero value (without a reference
+  model, init_kl_coef 0, it is 0.0 at every step: "not computed", kept as the extra column
+  train/kl), train/rollout/truncated_rate -> truncation_rate (v0.9.8 on, the whole rollout
+  batch), else train/truncated (v0.9.9 on, the per-sample flag's mean), train/critic_loss ->
+  critic_loss (read by stability.value_loss).
+
+Every other numeric key is an extra column under its own name (`eval/...`, `critic/...`,
+`actor/ppo_kl`, `train/rollout/reward_mean`, ...; a key named like a format-v1 column becomes
+`raw_<key>`). run.json `provenance` says which key the KL and the truncation rate were read
+from, or why the KL was not."""
+
+
+def with_mapping(doc: str | None) -> str:
+    """An importer's doc with `{MAPPING}` replaced by MAPPING_DOC."""
+    import inspect
+
+    return inspect.cleandoc(doc or "").replace("{MAPPING}", MAPPING_DOC)
