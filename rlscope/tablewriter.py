@@ -143,6 +143,11 @@ class TableWriter:
         row = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
         self._append("steps", pl.DataFrame([row]))
 
+    def log_steps(self, data: TableLike) -> None:
+        """Many steps' metrics at once: a `step` column and one column per metric (null where
+        a step did not log it)."""
+        self._append("steps", _to_polars(data))
+
     def log_rollouts(self, data: TableLike) -> None:
         """Rollout rows: dict of columns, list of row dicts, Arrow or Polars frame."""
         self._append("rollouts", _to_polars(data))

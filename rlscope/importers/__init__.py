@@ -14,8 +14,11 @@ from rlscope.importers.session import Importer, ImportResult, Progress, Session,
 from rlscope.importers.tensorboard import TENSORBOARD
 from rlscope.importers.trl import TRL
 from rlscope.importers.verl import VERL, VERL_METRICS
+from rlscope.importers.wandb_run import WANDB
 
-IMPORTERS: dict[str, Importer] = {i.name: i for i in (VERL, VERL_METRICS, TRL, JSONL, TENSORBOARD)}
+IMPORTERS: dict[str, Importer] = {
+    i.name: i for i in (VERL, VERL_METRICS, TRL, JSONL, TENSORBOARD, WANDB)
+}
 
 __all__ = ["IMPORTERS", "MANIFEST", "ImportResult", "Importer", "Option", "import_run"]
 

@@ -165,6 +165,8 @@ class Session:
     meta: dict[str, Any] = field(default_factory=dict)  # run.json fields the importer knows
     _buffers: dict[str, list[pl.DataFrame]] = field(default_factory=dict)
     _step_rows: list[dict[str, Any]] = field(default_factory=list)
+    _step_frames: list[pl.DataFrame] = field(default_factory=list)
+    _steps_logged: set[int] = field(default_factory=set)
     _staged_files: dict[str, dict[str, Any]] = field(default_factory=dict)
     _staged_last: dict[str, int] = field(default_factory=dict)
     _seen: set[tuple[str, int]] = field(default_factory=set)
@@ -325,7 +327,8 @@ class Session:
 
     @property
     def steps_skipped(self) -> int:
-        main = "rollouts" if "rollouts" in self.importer.tables else "steps"
+        rollouts = self.rows["rollouts"] or any(t == "rollouts" for t, _ in self._skipped)
+        main = "rollouts" if "rollouts" in self.importer.tables and rollouts else "steps"
         return self._unchanged_steps + sum(t == main for t, _ in self._skipped)
 
     # -- writing --
@@ -364,11 +367,26 @@ class Session:
         for row in rows:
             step = int(row["step"])
             self._seen.add(("steps", step))
+            self._steps_logged.add(step)
             if "rollouts" not in self.importer.tables:
                 self.steps_written.add(step)
             self._step_rows.append(row)
             self.rows["steps"] += 1
             self._stage_last("steps", step)
+
+    def add_step_frame(self, frame: pl.DataFrame) -> None:
+        """Many steps as one frame (a `step` column, one column per metric): what a log of
+        100k steps is imported as, never one dict per step."""
+        if frame.height == 0:
+            return
+        steps = frame["step"].to_list()
+        self._seen.update(("steps", int(s)) for s in steps)
+        self._steps_logged.update(int(s) for s in steps)
+        if "rollouts" not in self.importer.tables:
+            self.steps_written.update(int(s) for s in steps)
+        self._step_frames.append(frame)
+        self.rows["steps"] += frame.height
+        self._stage_last("steps", int(frame["step"].max()))  # type: ignore[arg-type]
 
     def _stage_last(self, table: str, step: int) -> None:
         self._staged_last[table] = max(step, self._staged_last.get(table, step))
@@ -381,8 +399,9 @@ class Session:
     def checkpoint(self, *, force: bool = False) -> None:
         """Flush buffered rows if there are enough of them (or `force`), then save the
         manifest, so OUT/import.json always describes the Parquet files on disk."""
-        buffered = sum(f.height for fs in self._buffers.values() for f in fs)
-        size = sum(f.estimated_size() for fs in self._buffers.values() for f in fs)
+        frames = [*(f for fs in self._buffers.values() for f in fs), *self._step_frames]
+        buffered = sum(f.height for f in frames)
+        size = sum(f.estimated_size() for f in frames)
         if not force and buffered < FLUSH_ROWS and size < FLUSH_BYTES:
             return
         before = parquet_files(self.out) if self.out.exists() else set()
@@ -393,9 +412,12 @@ class Session:
                     getattr(writer, f"log_{table}")(frame)
             for row in self._step_rows:
                 writer.log_step(**row)
+            for frame in self._step_frames:
+                writer.log_steps(frame)
             writer.flush()
             self._buffers = {}
             self._step_rows = []
+            self._step_frames = []
         if not (self._staged_files or self._staged_last or buffered):
             return
         self.entry["files"].update(self._staged_files)
@@ -431,13 +453,15 @@ class Session:
         if self._writer is not None:
             return self._writer
         meta = self._run_meta()
+        # the importer may know the algorithm from the run's config; the option wins
+        known = meta.pop("algorithm", None)
         run_json = self.out / RUN_JSON
         if run_json.exists():
             self._complete_run_json(run_json, meta)
         self._writer = TableWriter(
             self.out,
             run_id=self.options.get("run_id") or default_run_id(self.source),
-            algorithm=self.options.get("algorithm") or self.importer.default_algorithm,
+            algorithm=self.options.get("algorithm") or known or self.importer.default_algorithm,
             flush_rows=dict.fromkeys(TABLES, 2**62),  # the session decides when to flush
             **meta,
         )
@@ -476,7 +500,10 @@ class Session:
             self.progress(done, total)
 
     def result(self) -> ImportResult:
-        steps = sorted(self.steps_written)
+        # An import that can write rollouts but found none (a W&B run without a table) counts
+        # the steps it wrote to the steps table.
+        logged = set() if self.rows["rollouts"] else self._steps_logged
+        steps = sorted(self.steps_written or logged)
         examples = tuple(e for reason in self.skips.counts for e in self.skips.examples[reason])
         return ImportResult(
             format=self.importer.name,

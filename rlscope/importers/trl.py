@@ -448,12 +448,22 @@ def _read(path: Path, session: Session) -> pl.DataFrame | None:
 
 
 def _infer_generations(paths: list[Path]) -> int:
-    runs: list[int] = []
+    frames = []
     for path in paths:
         try:
-            prompts = pl.read_parquet(path, columns=["prompt"], glob=False, hive_partitioning=False)
+            frames.append(
+                pl.read_parquet(path, columns=["prompt"], glob=False, hive_partitioning=False)
+            )
         except Exception:
             continue
+    return generations_of(frames)
+
+
+def generations_of(frames: list[pl.DataFrame]) -> int:
+    """num_generations from batches' `prompt` columns: the gcd of the run lengths of identical
+    consecutive prompts (TRL lays a batch out as blocks of num_generations rows)."""
+    runs: list[int] = []
+    for prompts in frames:
         text = prompts.select(messages_expr("prompt", prompts.schema["prompt"])).to_series()
         run = (text != text.shift(1)).fill_null(True).cum_sum()
         runs += run.value_counts()["count"].to_list()

@@ -1,0 +1,520 @@
+"""W&B run files (`run-<id>.wandb`): the record log's framing, and history rows as columns."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from rlscope.errors import RlscopeError
+
+# The record log, as written by wandb from 0.10 (wandb/sdk/internal/datastore.py, the Python
+# writer up to 0.29) to 0.31 (the Go core: core/internal/transactionlog, core/pkg/leveldb/
+# record.go, LevelDB's log format with the IEEE CRC-32):
+#
+#   file   := header block*            header := ":W&B" magic:u16le=0xBEE1 version:u8=0
+#   block  := chunk* trailer?          32 KiB; the first block starts with the header; a chunk
+#                                      never crosses a block; fewer than 7 bytes left: zeros
+#   chunk  := crc:u32le length:u16le type:u8 payload[length]
+#             crc = CRC-32 (IEEE, zlib.crc32) of the type byte and the payload
+#             type 1 FULL: a whole record; 2 FIRST, 3 MIDDLE..., 4 LAST: one record in pieces
+#   record := a `wandb.proto.wandb_internal_pb2.Record` message
+IDENT = b":W&B"
+MAGIC = 0xBEE1
+VERSIONS = (0,)
+HEADER = 7
+BLOCK = 32 * 1024
+CHUNK = 7
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+_CHUNK = struct.Struct("<IHB")
+_HEADER = struct.Struct("<4sHB")
+#: History bytes decoded at once (a few thousand rows): bounds the decoder's scratch memory.
+BATCH_BYTES = 16 * 2**20
+#: Record fields (wandb_internal.proto `Record`) read by field number, never parsed whole.
+HISTORY_FIELD, SUMMARY_FIELD = 2, 3
+#: `HistoryRecord.item`, and `HistoryItem.key` / `nested_key` / `value_json`.
+ITEM, KEY, NESTED_KEY, VALUE_JSON = 1, 1, 2, 16
+#: Zeros after a batch's bytes, so that reading a few bytes past any item stays in the buffer.
+_PAD = 256
+
+
+def proto() -> Any:
+    """wandb's own protobuf classes (`wandb.proto.wandb_internal_pb2`), or an error naming
+    the extra."""
+    try:
+        from wandb.proto import wandb_internal_pb2
+    except ImportError:
+        raise RlscopeError(
+            "reading W&B run files needs the `wandb` package (its protobuf classes)",
+            hint="pip install wandb  (from a clone of rlscope: pip install '.[wandb]')",
+        ) from None
+    return wandb_internal_pb2
+
+
+@dataclass
+class History:
+    """Decoded history rows: one frame per batch (a `_row` column numbers the rows across the
+    file, in log order), the nested items (tables, dict values) by row, and the numbers of
+    values that were not numbers, per key."""
+
+    frames: list[pl.DataFrame] = field(default_factory=list)
+    nested: list[tuple[int, list[str], str]] = field(default_factory=list)
+    non_numeric: dict[str, int] = field(default_factory=dict)
+    rows: int = 0
+
+    def frame(self) -> pl.DataFrame:
+        if not self.frames:
+            return pl.DataFrame({"_row": pl.Series([], dtype=pl.Int64)})
+        return pl.concat(self.frames, how="diagonal_relaxed")
+
+
+@dataclass
+class RunLog:
+    """What one `.wandb` file holds: history, and the few other records rlscope reads."""
+
+    path: Path
+    history: History
+    config: dict[str, Any]
+    run: dict[str, Any]
+    metrics: list[dict[str, Any]]
+    version: str | None
+    cut: str | None  # why the last record(s) were not read (a file cut mid-write)
+    records: int
+
+
+def read_run_log(path: Path) -> RunLog:
+    """Every record of `path`: history decoded in batches, run/config/metric/telemetry records
+    with wandb's protobuf classes, summaries and the rest skipped by their field number."""
+    pb = proto()
+    reader = _Records(path)
+    history = History()
+    config: dict[str, Any] = {}
+    run: dict[str, Any] = {}
+    metrics: list[dict[str, Any]] = []
+    version: str | None = None
+    batch: list[bytes] = []
+    size = 0
+    count = 0
+    for payload in reader:
+        count += 1
+        number, start, end = _record_type(payload)
+        if number == SUMMARY_FIELD:
+            continue
+        if number == HISTORY_FIELD:
+            batch.append(payload[start:end])
+            size += end - start
+            if size >= BATCH_BYTES:
+                _decode(batch, history, path)
+                batch, size = [], 0
+            continue
+        if number not in _WANTED:
+            continue
+        try:
+            record = pb.Record.FromString(payload)
+        except Exception as exc:
+            raise RlscopeError(f"{path}: a record is not a W&B protobuf message ({exc})") from None
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run = {"run_id": record.run.run_id, "project": record.run.project}
+            run["name"] = record.run.display_name
+            _config_update(config, record.run.config.update)
+            if record.run.telemetry.cli_version:
+                version = record.run.telemetry.cli_version
+        elif kind == "config":
+            _config_update(config, record.config.update)
+        elif kind == "metric":
+            m = record.metric
+            metrics.append({"name": m.name, "glob": m.glob_name, "step_metric": m.step_metric})
+        elif kind == "telemetry" and record.telemetry.cli_version:
+            version = record.telemetry.cli_version
+    if batch:
+        _decode(batch, history, path)
+    return RunLog(path, history, config, run, metrics, version, reader.cut, count)
+
+
+_WANTED = {5, 12, 11, 17}  # config, metric, telemetry, run (wandb_internal.proto Record)
+
+
+def _config_update(config: dict[str, Any], items: Any) -> None:
+    for item in items:
+        path = list(item.nested_key) or [item.key]
+        try:
+            value = json.loads(item.value_json)
+        except ValueError:
+            continue
+        node = config
+        for part in path[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[path[-1]] = value
+
+
+class _Records:
+    """The records of one file, in order. A file that ends inside a chunk or inside a record
+    (a run killed mid-write, or one still running) stops there: `cut` says where. Any other
+    damage (a checksum mismatch with data after it, a chunk running past its block, a piece of
+    a record out of order) is an error naming the byte offset."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cut: str | None = None
+
+    def _corrupt(self, offset: int, why: str) -> RlscopeError:
+        return RlscopeError(
+            f"{self.path}: corrupt W&B run file at byte {offset:,}: {why}",
+            hint="only the end of a file may be incomplete (a run killed mid-write); a damaged "
+            "chunk before the end means the file was altered or the disk failed",
+        )
+
+    def __iter__(self) -> Iterator[bytes]:
+        with open(self.path, "rb") as handle:
+            head = handle.read(HEADER)
+            if len(head) < HEADER:
+                raise RlscopeError(f"{self.path}: not a W&B run file (shorter than its header)")
+            ident, magic, version = _HEADER.unpack(head)
+            if ident != IDENT or magic != MAGIC:
+                raise RlscopeError(
+                    f"{self.path}: not a W&B run file (no `:W&B` header)",
+                    hint="pass the run's `run-<id>.wandb` file or its folder (wandb/run-...)",
+                )
+            if version not in VERSIONS:
+                raise RlscopeError(
+                    f"{self.path}: W&B run file version {version}, rlscope reads version 0 "
+                    "(wandb 0.10 - 0.31)"
+                )
+            pending: list[bytes] | None = None
+            pending_at = 0
+            block_at = 0
+            block = head + handle.read(BLOCK - HEADER)
+            pos = HEADER
+            while True:
+                n = len(block)
+                last = n < BLOCK or not handle.peek(1)
+                while n - pos >= CHUNK:
+                    crc, length, kind = _CHUNK.unpack_from(block, pos)
+                    if crc == 0 and length == 0 and kind == 0:
+                        break  # zeros to the end of the block
+                    at = block_at + pos
+                    end = pos + CHUNK + length
+                    if end > n:
+                        if last and n < BLOCK:
+                            self.cut = f"the file ends inside a chunk at byte {at:,}"
+                            return
+                        raise self._corrupt(at, "a chunk runs past the end of its 32 KiB block")
+                    if zlib.crc32(block[pos + 6 : end]) != crc:
+                        if last and end == n:
+                            self.cut = f"the last chunk (byte {at:,}) fails its checksum"
+                            return
+                        raise self._corrupt(at, "chunk checksum mismatch")
+                    payload = block[pos + CHUNK : end]
+                    pos = end
+                    if kind == FULL and pending is None:
+                        yield payload
+                    elif kind == FIRST and pending is None:
+                        pending, pending_at = [payload], at
+                    elif kind == MIDDLE and pending is not None:
+                        pending.append(payload)
+                    elif kind == LAST and pending is not None:
+                        pending.append(payload)
+                        yield b"".join(pending)
+                        pending = None
+                    else:
+                        raise self._corrupt(at, f"chunk type {kind} out of sequence")
+                if last:
+                    tail = block[pos:n]
+                    if tail.strip(b"\0"):
+                        self.cut = f"the file ends inside a chunk header at byte {block_at + pos:,}"
+                    elif pending is not None:
+                        self.cut = f"the record starting at byte {pending_at:,} is incomplete"
+                    return
+                block_at += n
+                block = handle.read(BLOCK)
+                pos = 0
+                if not block:
+                    if pending is not None:
+                        self.cut = f"the record starting at byte {pending_at:,} is incomplete"
+                    return
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _record_type(payload: bytes) -> tuple[int, int, int]:
+    """The field number of the record's `record_type` and the span of its message. Fields are
+    walked by their wire type (Go's marshaller writes `num` first, then the record)."""
+    pos, n = 0, len(payload)
+    try:
+        while pos < n:
+            tag, pos = _varint(payload, pos)
+            number, wire = tag >> 3, tag & 7
+            if wire == 0:
+                _, pos = _varint(payload, pos)
+            elif wire == 2:
+                length, pos = _varint(payload, pos)
+                if 1 < number < 100 and number != 16:  # the oneof, not control/uuid/_info
+                    return number, pos, pos + length
+                pos += length
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            else:
+                break
+    except IndexError:
+        pass
+    return 0, 0, 0
+
+
+def _varints(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The varints at `pos` (at most 5 bytes: lengths and tags): values and byte counts. Most
+    are one or two bytes (a value_json tag is 0x82 0x01): those take the short way."""
+    b0 = buf[pos].astype(np.int64)
+    b1 = buf[pos + 1].astype(np.int64)
+    value = np.where(b0 < 0x80, b0, (b0 & 0x7F) | (b1 << 7))
+    count = np.where(b0 < 0x80, 1, 2)
+    longer = np.nonzero((b0 >= 0x80) & (b1 >= 0x80))[0]
+    if longer.size:
+        value[longer], count[longer] = _long_varints(buf, pos[longer])
+    return value, count
+
+
+def _long_varints(buf: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    raw = buf[pos[:, None] + np.arange(5)].astype(np.int64)
+    ends = raw < 0x80
+    count = np.argmax(ends, axis=1) + 1
+    if not ends.any(axis=1).all():
+        raise ValueError("a varint longer than 5 bytes")
+    used = np.arange(5)[None, :] < count[:, None]
+    value = (((raw & 0x7F) << (7 * np.arange(5))[None, :]) * used).sum(axis=1)
+    return value, count
+
+
+def _fields(
+    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every length-delimited field of the messages buf[starts[i]:ends[i]], all messages read in
+    step (one field of each per pass): (message index, field number, body start, body end).
+    A field with a one-byte tag and length (a history item shorter than 128 bytes) takes the
+    short way."""
+    pos = starts.copy()
+    owners, numbers, bodies, stops = [], [], [], []
+    active = np.nonzero(pos < ends)[0]
+    while active.size:
+        at = pos[active]
+        tag = buf[at]
+        length = buf[at + 1]
+        if ((tag < 0x80) & (length < 0x80) & ((tag & 7) == 2)).all():
+            number = (tag >> 3).astype(np.int64)
+            body = at + 2
+            stop = body + length
+        else:
+            wide, n1 = _varints(buf, at)
+            if ((wide & 7) != 2).any():
+                raise ValueError("a field that is not length-delimited")
+            size, n2 = _varints(buf, at + n1)
+            number = wide >> 3
+            body = at + n1 + n2
+            stop = body + size
+        limit = ends[active]
+        if (stop > limit).any():
+            raise ValueError("a field runs past its message")
+        owners.append(active)
+        numbers.append(number)
+        bodies.append(body)
+        stops.append(stop)
+        pos[active] = stop
+        active = active[stop < limit]
+    if not owners:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    return (
+        np.concatenate(owners),
+        np.concatenate(numbers),
+        np.concatenate(bodies),
+        np.concatenate(stops),
+    )
+
+
+def _unaligned(joined: bytes, dtype: str) -> np.ndarray:
+    """Little-endian words starting at every byte of `joined` (an unaligned, strided view)."""
+    size = np.dtype(dtype).itemsize
+    return np.ndarray((len(joined) - size + 1,), dtype=dtype, buffer=joined, strides=(1,))
+
+
+def _strings(
+    words: tuple[np.ndarray, np.ndarray], data: pa.Buffer, starts: np.ndarray, lengths: np.ndarray
+) -> pl.Series:
+    """joined[start:start + length] of each item as a polars Binary series, without copying the
+    bytes: Arrow binary views into the batch buffer (length, then up to 12 bytes inline, or a
+    4-byte prefix, buffer 0 and the offset)."""
+    u32, u64 = words
+    n = len(starts)
+    size = lengths.astype(np.uint64)
+    short = lengths <= 12
+    head = u32[starts].astype(np.uint64)
+    keep = np.minimum(lengths, 4).astype(np.uint64) * np.uint64(8)
+    head &= (np.uint64(1) << keep) - np.uint64(1)
+    rest = np.clip(lengths - 4, 0, 8).astype(np.uint64)
+    tail = u64[starts + 4]
+    full = rest == 8
+    ones = np.uint64(0xFFFFFFFFFFFFFFFF)
+    tail &= np.where(full, ones, (np.uint64(1) << (rest * np.uint64(8) % np.uint64(64))) - 1)
+    views = np.empty((n, 2), dtype=np.uint64)
+    views[:, 0] = size | (head << np.uint64(32))
+    views[:, 1] = np.where(short, tail, starts.astype(np.uint64) << np.uint64(32))
+    # Protobuf strings are UTF-8 (the writer checks): string views, not validated again.
+    array = pa.Array.from_buffers(pa.string_view(), n, [None, pa.py_buffer(views), data])
+    return pl.Series(pl.from_arrow(array))
+
+
+def _decode(bodies: list[bytes], history: History, path: Path) -> None:
+    """HistoryRecord messages -> one frame: a column per flat key (numbers as Float64, null
+    where a row lacks the key), `_row` = the row's number in the file. Items with a nested key
+    (a dict value, a table reference) go to `history.nested` for the caller."""
+    joined = b"".join([*bodies, b"\0" * _PAD])
+    buf = np.frombuffer(joined, dtype=np.uint8)
+    data = pa.py_buffer(joined)
+    words = (_unaligned(joined, "<u4"), _unaligned(joined, "<u8"))
+    sizes = np.fromiter((len(b) for b in bodies), dtype=np.int64, count=len(bodies))
+    ends = np.cumsum(sizes)
+    first = history.rows
+    history.rows += len(bodies)
+    try:
+        owner, number, body, stop = _fields(buf, ends - sizes, ends)
+        items = number == ITEM
+        item_row, item_start, item_end = owner[items], body[items], stop[items]
+        key_at, key_len, value_at, value_len, nested = _items(buf, item_start, item_end)
+        flat = key_at >= 0
+        local, names = _key_ids(words[1], joined, key_at[flat], key_len[flat])
+    except (ValueError, IndexError, UnicodeDecodeError) as exc:
+        raise RlscopeError(f"{path}: a history record does not decode ({exc})") from None
+    for index in nested:
+        item = joined[item_start[index] : item_end[index]]
+        history.nested.append((first + int(item_row[index]), *_nested_item(item)))
+    rows = item_row[flat]
+    texts = _strings(words, data, value_at[flat], value_len[flat])
+    values = texts.cast(pl.Float64, strict=False)
+    failed = values.is_null()
+    if failed.any():
+        bad = np.bincount(local[failed.to_numpy()], minlength=len(names))
+        for key_id in np.nonzero(bad)[0]:
+            name = names[key_id]
+            history.non_numeric[name] = history.non_numeric.get(name, 0) + int(bad[key_id])
+    column = local
+    valid = ~failed.to_numpy()
+    matrix = np.full((len(bodies), len(names)), np.nan)
+    present = np.zeros((len(bodies), len(names)), dtype=bool)
+    matrix[rows[valid], column[valid]] = values.to_numpy()[valid]
+    present[rows[valid], column[valid]] = True
+    columns: dict[str, pa.Array] = {
+        "_row": pa.array(np.arange(first, first + len(bodies), dtype=np.int64))
+    }
+    for j, name in enumerate(names):
+        seen = present[:, j]
+        if seen.any():
+            columns[name] = pa.array(matrix[:, j], mask=~seen)
+    history.frames.append(pl.DataFrame(pl.from_arrow(pa.table(columns))))
+
+
+def _key_ids(
+    u64: np.ndarray, joined: bytes, starts: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, list[str]]:
+    """A number per key (0, 1, ... in order of first appearance) and the keys. Keys are told
+    apart by their length and their 8-byte words at 0, 8, ... and length - 8 (which together
+    are the key's bytes), hashed to find the distinct ones and then compared word for word with
+    the first of each, so equal numbers always mean equal keys."""
+    n = len(starts)
+    if not n:
+        return np.zeros(0, dtype=np.int64), []
+    width = max(1, -(-int(lengths.max()) // 8))
+    size = lengths.astype(np.uint64)
+    words = np.empty((n, width), dtype=np.uint64)
+    digest = size * np.uint64(0x9E3779B97F4A7C15)
+    for k in range(width):
+        word = u64[starts + np.minimum(8 * k, np.maximum(lengths - 8, 0))]
+        if k == 0:
+            short = lengths < 8
+            bits = np.minimum(size, np.uint64(7)) * np.uint64(8)
+            word = np.where(short, word & ((np.uint64(1) << bits) - np.uint64(1)), word)
+        word = np.where(lengths > 8 * k, word, np.uint64(0))
+        words[:, k] = word
+        digest = (digest ^ word) * np.uint64(0xBF58476D1CE4E5B9)
+        digest ^= digest >> np.uint64(31)
+    hashes = pl.Series(digest)
+    distinct = hashes.filter(hashes.is_first_distinct()).to_numpy()
+    ids = hashes.replace_strict(
+        distinct, np.arange(len(distinct)), return_dtype=pl.Int64
+    ).to_numpy()
+    first = np.empty(len(distinct), dtype=np.int64)
+    first[ids[::-1]] = np.arange(n - 1, -1, -1)
+    if not ((words == words[first[ids]]).all() and (lengths == lengths[first[ids]]).all()):
+        raise ValueError("two history keys share a hash")  # never seen; refuses to guess
+    names = [joined[a : a + b].decode() for a, b in zip(starts[first], lengths[first], strict=True)]
+    return ids, names
+
+
+def _items(
+    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Key and value spans of HistoryItem messages (-1: not a flat item), and the indices of
+    items with a nested key. Nearly every item is `0x12 len key 0x82 0x01 len value` (one
+    nested_key, then value_json, each shorter than 128 bytes): read at once; the others field
+    by field."""
+    key_len = buf[starts + 1].astype(np.int64)
+    value_tag = starts + 2 + key_len
+    value_len = buf[value_tag + 2].astype(np.int64)
+    fast = (
+        (buf[starts] == 0x12)
+        & (key_len < 0x80)
+        & (buf[value_tag] == 0x82)
+        & (buf[value_tag + 1] == 0x01)
+        & (value_len < 0x80)
+        & (value_tag + 3 + value_len == ends)
+    )
+    key_at = np.where(fast, starts + 2, -1)
+    value_at = np.where(fast, value_tag + 3, -1)
+    key_len = np.where(fast, key_len, 0)
+    value_len = np.where(fast, value_len, 0)
+    slow = np.nonzero(~fast)[0]
+    nested = np.zeros(0, dtype=np.int64)
+    if slow.size:
+        owner, number, body, stop = _fields(buf, starts[slow], ends[slow])
+        parts = np.bincount(owner[number != VALUE_JSON], minlength=slow.size)
+        has_value = np.bincount(owner[number == VALUE_JSON], minlength=slow.size) > 0
+        is_key = (number == KEY) | (number == NESTED_KEY)
+        is_value = number == VALUE_JSON
+        one = (parts == 1) & has_value
+        at, ln = np.full(slow.size, -1), np.zeros(slow.size, dtype=np.int64)
+        at[owner[is_key]], ln[owner[is_key]] = body[is_key], (stop - body)[is_key]
+        key_at[slow] = np.where(one, at, -1)
+        key_len[slow] = np.where(one, ln, 0)
+        at, ln = np.full(slow.size, -1), np.zeros(slow.size, dtype=np.int64)
+        at[owner[is_value]], ln[owner[is_value]] = body[is_value], (stop - body)[is_value]
+        value_at[slow] = np.where(one, at, -1)
+        value_len[slow] = np.where(one, ln, 0)
+        nested = slow[(parts > 1) & has_value]
+    return key_at, key_len, value_at, value_len, nested
+
+
+def _nested_item(item: bytes) -> tuple[list[str], str]:
+    pb = proto()
+    parsed = pb.HistoryItem.FromString(item)
+    return (list(parsed.nested_key) or [parsed.key]), parsed.value_json

@@ -1,0 +1,149 @@
+"""Writes W&B runs offline the way verl, TRL and OpenRLHF log them: `python wandb_writer.py DIR`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import wandb
+from trainer_keys import openrlhf_status, trl_logs, verl_metrics
+
+VERL_STEPS = 20
+TRL_STEPS = 12
+OPENRLHF_STEPS = 20
+GENERATIONS = 4
+PROMPTS = ("What is 2+2?", "What is 3*3?")
+VERL_CONFIG = {
+    "actor_rollout_ref": {
+        "rollout": {"n": 5},
+        "actor": {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
+    },
+    "data": {"max_response_length": 512},
+    "algorithm": {"adv_estimator": "grpo"},
+}
+TRL_CONFIG = {
+    "num_generations": GENERATIONS,
+    "epsilon": 0.2,
+    "epsilon_high": 0.28,
+    "max_completion_length": 64,
+    "max_grad_norm": 1.0,
+    "beta": 0.04,
+}
+OPENRLHF_CONFIG = {
+    "rollout": {"n_samples_per_prompt": 8, "max_new_tokens": 1024},
+    "actor": {"eps_clip": 0.2, "eps_clip_low_high": [0.2, 0.28]},
+    "algo": {"advantage": {"estimator": "group_norm"}},
+}
+
+
+def init(root: Path, name: str, config: dict) -> wandb.Run:
+    folder = root / name
+    folder.mkdir(parents=True)
+    return wandb.init(
+        project="rlscope-tests",
+        name=name,
+        dir=str(folder),
+        config=config,
+        mode="offline",
+        settings=wandb.Settings(console="off", x_disable_stats=True, save_code=False),
+    )
+
+
+def verl(root: Path) -> None:
+    """verl/utils/tracking.py: `wandb.init(config=config)`, `wandb.log(data, step=step)` per
+    step; ValidationGenerationsLogger logs `val/generations` at validation steps."""
+    run = init(root, "verl", VERL_CONFIG)
+    table = wandb.Table(columns=["step", "input_1", "output_1", "score_1"])
+    for step in range(1, VERL_STEPS + 1):
+        if step % 10 == 0:
+            table = wandb.Table(columns=table.columns, data=table.data)
+            table.add_data(step, "What is 2+2?", "4", 1.0)
+            run.log({"val/generations": table}, step=step)
+        run.log(verl_metrics(step), step=step)
+    run.finish()
+
+
+def trl_completions(step: int, prompts: tuple[str, ...] = PROMPTS) -> list[list]:
+    """One batch: GENERATIONS rows per prompt, half of each group correct (advantage = the
+    centred reward, scale_rewards="none")."""
+    rows = []
+    for p, prompt in enumerate(prompts):
+        for g in range(GENERATIONS):
+            correct = float((g + step + p) % 2 == 0)
+            answer = f"step {step}: the answer is <answer>{g}</answer>"
+            rows.append([step, prompt, answer, correct, correct - 0.5])
+    return rows
+
+
+def trl(root: Path) -> None:
+    """transformers' WandbCallback (integration_utils.py: define_metric("train/global_step"),
+    define_metric("*", step_metric="train/global_step", step_sync=True); on_log logs
+    rewrite_logs(logs) + train/global_step) and TRL's GRPOTrainer.log (grpo_trainer.py: the
+    completions table in a call of its own, after the metrics; at an evaluation a second one,
+    the eval batch)."""
+    run = init(root, "trl", TRL_CONFIG)
+    run.define_metric("train/global_step")
+    run.define_metric("*", step_metric="train/global_step", step_sync=True)
+    columns = ["step", "prompt", "completion", "accuracy_reward", "advantage"]
+    for step in range(1, TRL_STEPS + 1):
+        batch = trl_completions(step)
+        logs = trl_logs(step)
+        mean = sum(r[3] for r in batch) / len(batch)
+        logs |= {"reward": mean, "rewards/accuracy_reward/mean": mean, "frac_reward_zero_std": 0}
+        run.log({**{f"train/{k}": v for k, v in logs.items()}, "train/global_step": step})
+        run.log({"completions": wandb.Table(columns=columns, data=batch)})
+        if step % 6 == 0:
+            run.log({"eval/loss": 0.4, "eval/reward": 0.5, "train/global_step": step})
+            mixed = trl_completions(step, ("eval prompt",)) + batch[GENERATIONS:]
+            run.log({"completions": wandb.Table(columns=columns, data=mixed)})
+    run.finish()
+
+
+def openrlhf(root: Path) -> None:
+    """OpenRLHF v0.11.0's WandbLogger (openrlhf/utils/logging_utils.py), call for call."""
+    run = init(root, "openrlhf", OPENRLHF_CONFIG)
+    wandb.define_metric("train/global_step")
+    wandb.define_metric("train/*", step_metric="train/global_step", step_sync=True)
+    wandb.define_metric("eval/epoch")
+    wandb.define_metric("eval/*", step_metric="eval/epoch", step_sync=True)
+    samples_table = wandb.Table(columns=["global_step", "text", "reward"])
+    for global_step in range(1, OPENRLHF_STEPS + 1):
+        logs_dict = {
+            **openrlhf_status(global_step),
+            "generated_samples": [f"q{global_step} a{global_step}", 0.5],
+        }
+        generated_samples = logs_dict.pop("generated_samples", None)
+        if generated_samples:
+            new_table = wandb.Table(columns=samples_table.columns, data=samples_table.data)
+            new_table.add_data(global_step, *generated_samples)
+            samples_table = new_table
+            wandb.log({"train/generated_samples": new_table})
+        metrics = {k: v for k, v in logs_dict.items() if v is not None}
+        wandb.log({"train/%s" % k: v for k, v in {**metrics, "global_step": global_step}.items()})  # noqa: UP031
+        if global_step % 10 == 0:
+            eval_logs = {"eval_gsm8k_pass1": 0.5, "eval_response_length_mean": 210.0}
+            wandb.log(
+                {"eval/%s" % k: v for k, v in {**eval_logs, "global_step": global_step}.items()}  # noqa: UP031
+            )
+    run.finish()
+
+
+def empty(root: Path) -> None:
+    run = init(root, "empty", {"lr": 1e-6})
+    run.finish()
+
+
+def main() -> None:
+    root = Path(sys.argv[1])
+    os.environ.update(WANDB_SILENT="true", WANDB_MODE="offline", WANDB_DIR=str(root))
+    for write in (verl, trl, openrlhf, empty):
+        write(root)
+    # the run files, by run name
+    files = {p.parents[2].name: str(p) for p in root.glob("*/wandb/offline-run-*/run-*.wandb")}
+    (root / "files.json").write_text(json.dumps(files))
+
+
+if __name__ == "__main__":
+    main()
