@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -13,6 +13,8 @@ from trainer_keys import openrlhf_status, trl_logs, verl_metrics
 VERL_STEPS = 20
 TRL_STEPS = 12
 OPENRLHF_STEPS = 20
+WIDE_STEPS = 3
+WIDE_KEYS = 3000
 GENERATIONS = 4
 PROMPTS = ("What is 2+2?", "What is 3*3?")
 VERL_CONFIG = {
@@ -135,14 +137,25 @@ def empty(root: Path) -> None:
     run.finish()
 
 
+def wide(root: Path) -> None:
+    """Rows of WIDE_KEYS keys: records larger than a 32 KiB block (FIRST, MIDDLE, LAST chunks),
+    values of every JSON kind W&B writes for a number (ints, floats, NaN, infinities)."""
+    run = init(root, "wide", {})
+    for step in range(WIDE_STEPS):
+        row: dict = {f"group_{k % 7}/key_{k:04d}": k * 0.5 + step for k in range(WIDE_KEYS)}
+        row |= {"count": step, "nan": math.nan, "inf": math.inf, "text": f"step {step}"}
+        run.log(row, step=step)
+    run.finish()
+
+
+WRITERS = {"verl": verl, "trl": trl, "openrlhf": openrlhf, "empty": empty, "wide": wide}
+
+
 def main() -> None:
-    root = Path(sys.argv[1])
+    root, names = Path(sys.argv[1]), sys.argv[2:] or list(WRITERS)
     os.environ.update(WANDB_SILENT="true", WANDB_MODE="offline", WANDB_DIR=str(root))
-    for write in (verl, trl, openrlhf, empty):
-        write(root)
-    # the run files, by run name
-    files = {p.parents[2].name: str(p) for p in root.glob("*/wandb/offline-run-*/run-*.wandb")}
-    (root / "files.json").write_text(json.dumps(files))
+    for name in names:
+        WRITERS[name](root)
 
 
 if __name__ == "__main__":

@@ -221,11 +221,29 @@ import_wandb.__doc__ = with_mapping(import_wandb.__doc__)
 
 
 def _history(logs: list[RunLog]) -> pl.DataFrame:
-    """Every file's history rows in order (`_row` numbered across files)."""
+    """Every file's history rows in order (`_row` numbered across files). A dict logged as a
+    value (`wandb.log({"a": {"b": 1}})`) is the column `a.b`, as W&B shows it; media and
+    tables (a dict with `_type`) are not columns."""
     frames, offset = [], 0
     for log in logs:
-        frame = log.history.frame()
-        frames.append(frame.with_columns(pl.col("_row") + offset))
+        frame = log.history.frame().with_columns(pl.col("_row") + offset)
+        media = {(row, path[0]) for row, path, _ in log.history.nested if path[-1] == "_type"}
+        cells = []
+        for row, path, text in log.history.nested:
+            if (row, path[0]) in media:
+                continue
+            try:
+                value = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                cells.append((row + offset, ".".join(path), float(value)))
+        if cells:
+            nested = pl.DataFrame(cells, schema=["_row", "key", "value"], orient="row").pivot(
+                on="key", index="_row", values="value", aggregate_function="last"
+            )
+            frame = frame.join(nested, on="_row", how="left")
+        frames.append(frame)
         offset += log.history.rows
     return pl.concat(frames, how="diagonal_relaxed")
 
