@@ -586,7 +586,10 @@ def synth(
 @app.command("import")
 def import_command(
     format: Annotated[
-        str, typer.Argument(help="verl, verl-metrics, trl or jsonl.", metavar="FORMAT")
+        str,
+        typer.Argument(
+            help="verl, verl-metrics, trl, jsonl, tensorboard, wandb or mlflow.", metavar="FORMAT"
+        ),
     ],
     source: Annotated[
         Path, typer.Argument(help="The trainer's output (read, never written).", metavar="SOURCE")
@@ -618,6 +621,12 @@ def import_command(
         ),
     ] = None,
     strict: Annotated[bool, typer.Option(help="Stop at the first malformed line.")] = False,
+    run: Annotated[
+        str | None,
+        typer.Option(
+            help="mlflow: the run's id or name (default: the store's only run).", metavar="RUN_ID"
+        ),
+    ] = None,
 ) -> None:
     """Convert a trainer's own logs into a format-v1 run directory (incremental).
 
@@ -636,6 +645,10 @@ def import_command(
 
       rlscope import jsonl logs.jsonl runs/z --map step=iter,prompt_id=uid,reward=score
 
+      rlscope import wandb wandb/run-20250101_120000-abc123 runs/w
+
+      rlscope import mlflow /tmp/mlruns.db runs/m --run 1f2e3d...
+
     Exit codes: 0 imported, 2 a usage or input error (file and line named).
     """
     from rlscope.importers import import_run
@@ -652,6 +665,8 @@ def import_command(
             options["split"] = split
         if strict:
             options["strict"] = True
+        if run:
+            options["run"] = run
         with _progress(f"importing {source}") as progress:
             result = import_run(format, source, out, progress=progress, **options)
     except RlscopeError as exc:

@@ -1,4 +1,4 @@
-"""Importers: turn what trainers write (verl, TRL, generic JSONL) into format-v1 run dirs."""
+"""Importers: what trainers write (verl, TRL, W&B, MLflow, JSONL...) -> format-v1 run dirs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from rlscope.errors import RlscopeError
 from rlscope.importers.jsonl import JSONL
 from rlscope.importers.manifest import MANIFEST
+from rlscope.importers.mlflow_store import MLFLOW
 from rlscope.importers.options import Option
 from rlscope.importers.session import Importer, ImportResult, Progress, Session, check_paths
 from rlscope.importers.tensorboard import TENSORBOARD
@@ -17,7 +18,7 @@ from rlscope.importers.verl import VERL, VERL_METRICS
 from rlscope.importers.wandb_run import WANDB
 
 IMPORTERS: dict[str, Importer] = {
-    i.name: i for i in (VERL, VERL_METRICS, TRL, JSONL, TENSORBOARD, WANDB)
+    i.name: i for i in (VERL, VERL_METRICS, TRL, JSONL, TENSORBOARD, WANDB, MLFLOW)
 }
 
 __all__ = ["IMPORTERS", "MANIFEST", "ImportResult", "Importer", "Option", "import_run"]

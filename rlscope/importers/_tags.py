@@ -1,14 +1,16 @@
-"""Trainer metric names -> steps columns: the one mapping of TensorBoard, W&B and MLflow imports."""
+"""Trainer names -> steps columns and run.json: one mapping for TensorBoard, W&B and MLflow."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import polars as pl
 
 from rlscope.importers._common import RESERVED_STEPS
+from rlscope.importers.session import Session
 
 #: verl: `Tracking.log(data, step=global_steps)` sends one dict to every logger under the same
 #: names (verl/utils/tracking.py: `_TensorboardAdapter.log` add_scalar, `wandb.log`, and
@@ -212,6 +214,101 @@ Every other numeric key is an extra column under its own name (`eval/...`, `crit
 `actor/ppo_kl`, `train/rollout/reward_mean`, ...; a key named like a format-v1 column becomes
 `raw_<key>`). run.json `provenance` says which key the KL and the truncation rate were read
 from, or why the KL was not."""
+
+
+#: Where the run's config says what run.json wants, per trainer (first found wins): verl's
+#: Hydra config (verl/trainer/config/ppo_trainer.yaml), TRL's GRPOConfig (transformers'
+#: WandbCallback.setup logs `args.to_dict()`), OpenRLHF's arguments (cli/train_ppo_ray.py,
+#: `--rollout.n_samples_per_prompt` since v0.10.2, `--n_samples_per_prompt` before).
+CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "group_size": (
+        "actor_rollout_ref.rollout.n",
+        "num_generations",
+        "rollout.n_samples_per_prompt",
+        "n_samples_per_prompt",
+    ),
+    "clip_ratio_low": (
+        "actor_rollout_ref.actor.clip_ratio_low",
+        "actor_rollout_ref.actor.clip_ratio",
+        "epsilon",
+        "actor.eps_clip_low_high.0",
+        "actor.eps_clip",
+        "eps_clip_low_high.0",
+        "eps_clip",
+    ),
+    "clip_ratio_high": (
+        "actor_rollout_ref.actor.clip_ratio_high",
+        "epsilon_high",
+        "actor.eps_clip_low_high.1",
+        "eps_clip_low_high.1",
+    ),
+    "max_response_len": (
+        "data.max_response_length",
+        "max_completion_length",
+        "rollout.max_new_tokens",
+        "generate_max_len",
+    ),
+    "max_grad_norm": ("actor_rollout_ref.actor.grad_clip", "max_grad_norm", "actor.max_norm"),
+    "algorithm": ("algorithm.adv_estimator", "algo.advantage.estimator", "advantage_estimator"),
+}
+#: Advantage estimators (verl's AdvantageEstimator, OpenRLHF's choices) as run.json algorithms.
+ALGORITHMS = {
+    "gae": "PPO",
+    "grpo": "GRPO",
+    "group_norm": "GRPO",
+    "dr_grpo": "Dr. GRPO",
+    "rloo": "RLOO",
+    "reinforce": "REINFORCE++",
+    "reinforce_plus_plus": "REINFORCE++",
+    "reinforce_baseline": "REINFORCE++-baseline",
+    "reinforce_plus_plus_baseline": "REINFORCE++-baseline",
+    "remax": "ReMax",
+}
+INTEGER_FIELDS = ("group_size", "max_response_len")
+FLOAT_FIELDS = ("clip_ratio_low", "clip_ratio_high", "max_grad_norm")
+
+
+def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
+    """`a.b.0` in nested dicts and lists (or a top-level key spelled `a.b`)."""
+    if dotted in config:
+        return config[dotted]
+    node: Any = config
+    for part in dotted.split("."):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def config_fields(config: Mapping[str, Any], session: Session, what: str) -> dict[str, str]:
+    """run.json fields from a run's config, each from the first of its CONFIG_KEYS present
+    (fields the importer already knows, e.g. group_size from the rollouts, are kept); said in
+    a note, and returned as the provenance entry."""
+    used = []
+    for name, keys in CONFIG_KEYS.items():
+        for key in keys:
+            value = _lookup(config, key)
+            if name == "algorithm" and isinstance(value, str) and value:
+                value = ALGORITHMS.get(value, value)
+            elif name in INTEGER_FIELDS:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+                value = value if ok else None
+            elif not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                value = None
+            if value is None:
+                continue
+            if name not in session.meta:
+                session.meta[name] = float(value) if name in FLOAT_FIELDS else value
+                used.append(f"{name} = {key} ({value})")
+            break
+    if not used:
+        return {}
+    text = f"run.json from {what}: " + ", ".join(used)
+    session.notes.append(text)
+    return {"config": text}
 
 
 def with_mapping(doc: str | None) -> str:

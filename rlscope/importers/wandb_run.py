@@ -15,6 +15,7 @@ from rlscope.importers import trl as trl_importer
 from rlscope.importers._tags import (
     TAGS,
     all_zero_frame,
+    config_fields,
     resolve,
     step_columns,
     with_mapping,
@@ -31,55 +32,6 @@ RUN_FILE = re.compile(r"^run-(.+)\.wandb$")
 GLOBAL_STEP = "train/global_step"
 #: OpenRLHF's log_eval adds `global_step` under `eval/` (and declares eval/epoch its axis).
 EVAL_STEP = "eval/global_step"
-#: Where the run's config says what run.json wants, per trainer (first found wins): verl's
-#: Hydra config (verl/trainer/config/ppo_trainer.yaml), TRL's GRPOConfig (transformers'
-#: WandbCallback.setup logs `args.to_dict()`), OpenRLHF's arguments (cli/train_ppo_ray.py,
-#: `--rollout.n_samples_per_prompt` since v0.10.2, `--n_samples_per_prompt` before).
-CONFIG_KEYS: dict[str, tuple[str, ...]] = {
-    "group_size": (
-        "actor_rollout_ref.rollout.n",
-        "num_generations",
-        "rollout.n_samples_per_prompt",
-        "n_samples_per_prompt",
-    ),
-    "clip_ratio_low": (
-        "actor_rollout_ref.actor.clip_ratio_low",
-        "actor_rollout_ref.actor.clip_ratio",
-        "epsilon",
-        "actor.eps_clip_low_high.0",
-        "actor.eps_clip",
-        "eps_clip_low_high.0",
-        "eps_clip",
-    ),
-    "clip_ratio_high": (
-        "actor_rollout_ref.actor.clip_ratio_high",
-        "epsilon_high",
-        "actor.eps_clip_low_high.1",
-        "eps_clip_low_high.1",
-    ),
-    "max_response_len": (
-        "data.max_response_length",
-        "max_completion_length",
-        "rollout.max_new_tokens",
-        "generate_max_len",
-    ),
-    "max_grad_norm": ("actor_rollout_ref.actor.grad_clip", "max_grad_norm", "actor.max_norm"),
-    "algorithm": ("algorithm.adv_estimator", "algo.advantage.estimator", "advantage_estimator"),
-}
-#: Advantage estimators (verl's AdvantageEstimator, OpenRLHF's choices) as run.json algorithms.
-ALGORITHMS = {
-    "gae": "PPO",
-    "grpo": "GRPO",
-    "group_norm": "GRPO",
-    "dr_grpo": "Dr. GRPO",
-    "rloo": "RLOO",
-    "reinforce": "REINFORCE++",
-    "reinforce_plus_plus": "REINFORCE++",
-    "reinforce_baseline": "REINFORCE++-baseline",
-    "reinforce_plus_plus_baseline": "REINFORCE++-baseline",
-    "remax": "ReMax",
-}
-INTEGER_FIELDS = ("group_size", "max_response_len")
 
 
 def run_files(source: Path) -> list[Path]:
@@ -464,51 +416,12 @@ def _trl_rollouts(
     set_meta()
 
 
-def _lookup(config: dict[str, Any], dotted: str) -> Any:
-    """`a.b.0` in nested dicts and lists (or a top-level key spelled `a.b`)."""
-    if dotted in config:
-        return config[dotted]
-    node: Any = config
-    for part in dotted.split("."):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 def _config(logs: list[RunLog], session: Session) -> dict[str, str]:
-    """run.json fields from the W&B config (`wandb.init(config=...)`), each from the first of
-    its CONFIG_KEYS present; said in a note and in the provenance."""
+    """run.json fields from the W&B config (`wandb.init(config=...)`)."""
     config: dict[str, Any] = {}
     for log in logs:
         config.update(log.config)
-    used = []
-    for name, keys in CONFIG_KEYS.items():
-        for key in keys:
-            value = _lookup(config, key)
-            if name == "algorithm" and isinstance(value, str) and value:
-                value = ALGORITHMS.get(value, value)
-            elif name in INTEGER_FIELDS:
-                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-                value = value if ok else None
-            elif not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                value = None
-            if value is None:
-                continue
-            if name not in session.meta:
-                session.meta[name] = (
-                    float(value) if name.startswith(("clip", "max_grad")) else value
-                )
-                used.append(f"{name} = {key} ({value})")
-            break
-    if not used:
-        return {}
-    text = "run.json from the W&B config: " + ", ".join(used)
-    session.notes.append(text)
-    return {"config": text}
+    return config_fields(config, session, "the W&B config")
 
 
 WANDB = Importer(
