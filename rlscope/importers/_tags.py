@@ -170,9 +170,14 @@ def step_columns(frame: pl.DataFrame, mapping: Mapping[str, str]) -> pl.DataFram
     )
     frame = frame.rename(renames)
     floats = [c for c, t in frame.schema.items() if c != "step" and t.is_float()]
+    if not floats:
+        return frame
+    # only the columns holding an infinity are rewritten (a rewrite copies the column)
+    found = frame.select(pl.col(c).is_infinite().any() for c in floats).row(0)
     return frame.with_columns(
         pl.when(pl.col(c).is_infinite()).then(math.nan).otherwise(pl.col(c)).alias(c)
-        for c in floats
+        for c, any_inf in zip(floats, found, strict=True)
+        if any_inf
     )
 
 

@@ -391,9 +391,13 @@ class Session:
     def _stage_last(self, table: str, step: int) -> None:
         self._staged_last[table] = max(step, self._staged_last.get(table, step))
 
-    def file_done(self, path: Path, n_steps: int, **extra: Any) -> None:
-        """Record a source file as imported (committed with the next flush)."""
-        self._staged_files[self.rel(path)] = {**fingerprint(path), "n_steps": n_steps, **extra}
+    def file_done(
+        self, path: Path, n_steps: int, *, known: dict[str, Any] | None = None, **extra: Any
+    ) -> None:
+        """Record a source file as imported (committed with the next flush); `known`: its
+        fingerprint, when the importer took it already (hashing a large file once)."""
+        prints = known if known is not None else fingerprint(path)
+        self._staged_files[self.rel(path)] = {**prints, "n_steps": n_steps, **extra}
         self.files_read += 1
 
     def checkpoint(self, *, force: bool = False) -> None:

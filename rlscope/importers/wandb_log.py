@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +98,10 @@ def read_run_log(path: Path) -> RunLog:
     pb = proto()
     reader = _Records(path)
     history = History()
+    # Batches are decoded by a worker thread while the next ones are read (numpy and polars
+    # release the GIL); at most two wait, which bounds the memory they hold.
+    worker = ThreadPoolExecutor(max_workers=1)
+    waiting: deque[Future[None]] = deque()
     config: dict[str, Any] = {}
     run: dict[str, Any] = {}
     metrics: list[dict[str, Any]] = []
@@ -106,13 +112,13 @@ def read_run_log(path: Path) -> RunLog:
     for payload in reader:
         count += 1
         number, start, end = _record_type(payload)
-        if number == SUMMARY_FIELD:
-            continue
         if number == HISTORY_FIELD:
             batch.append(payload[start:end])
             size += end - start
             if size >= BATCH_BYTES:
-                _decode(batch, history, path)
+                if len(waiting) >= 2:
+                    waiting.popleft().result()
+                waiting.append(worker.submit(_decode, batch, history, path))
                 batch, size = [], 0
             continue
         if number not in _WANTED:
@@ -136,8 +142,13 @@ def read_run_log(path: Path) -> RunLog:
         elif kind == "telemetry" and record.telemetry.cli_version:
             version = record.telemetry.cli_version
     if batch:
-        _decode(batch, history, path)
-    return RunLog(path, history, config, run, metrics, version, reader.cut, count)
+        waiting.append(worker.submit(_decode, batch, history, path))
+    try:
+        while waiting:
+            waiting.popleft().result()
+    finally:
+        worker.shutdown(cancel_futures=True)
+    return RunLog(path, history, config, run, metrics, version, reader.cut, count + reader.skipped)
 
 
 _WANTED = {5, 12, 11, 17}  # config, metric, telemetry, run (wandb_internal.proto Record)
@@ -168,6 +179,7 @@ class _Records:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.cut: str | None = None
+        self.skipped = 0  # summary records: never assembled, their chunks only checked
 
     def _corrupt(self, offset: int, why: str) -> RlscopeError:
         return RlscopeError(
@@ -194,6 +206,7 @@ class _Records:
                 )
             pending: list[bytes] | None = None
             pending_at = 0
+            skipping = False
             block_at = 0
             block = head + handle.read(BLOCK - HEADER)
             pos = HEADER
@@ -216,17 +229,26 @@ class _Records:
                             self.cut = f"the last chunk (byte {at:,}) fails its checksum"
                             return
                         raise self._corrupt(at, "chunk checksum mismatch")
-                    payload = block[pos + CHUNK : end]
-                    pos = end
-                    if kind == FULL and pending is None:
-                        yield payload
-                    elif kind == FIRST and pending is None:
-                        pending, pending_at = [payload], at
+                    start, pos = pos + CHUNK, end
+                    if kind in (FULL, FIRST) and pending is None:
+                        summary = _is_summary(block, start, end)
+                        if kind == FULL:
+                            if summary:
+                                self.skipped += 1
+                            else:
+                                yield block[start:end]
+                        else:
+                            pending, pending_at = ([] if summary else [block[start:end]]), at
+                            skipping = summary
                     elif kind == MIDDLE and pending is not None:
-                        pending.append(payload)
+                        if not skipping:
+                            pending.append(block[start:end])
                     elif kind == LAST and pending is not None:
-                        pending.append(payload)
-                        yield b"".join(pending)
+                        if skipping:
+                            self.skipped += 1
+                        else:
+                            pending.append(block[start:end])
+                            yield b"".join(pending)
                         pending = None
                     else:
                         raise self._corrupt(at, f"chunk type {kind} out of sequence")
@@ -244,6 +266,17 @@ class _Records:
                     if pending is not None:
                         self.cut = f"the record starting at byte {pending_at:,} is incomplete"
                     return
+
+
+def _is_summary(block: bytes, start: int, end: int) -> bool:
+    """Whether the record starting at block[start] is a summary (field 3, after `num`)."""
+    i = start
+    if i < end and block[i] == 0x08:
+        i += 1
+        while i < end and block[i] & 0x80:
+            i += 1
+        i += 1
+    return i < end and block[i] == (SUMMARY_FIELD << 3 | 2)
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
