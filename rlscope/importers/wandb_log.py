@@ -39,7 +39,7 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 _CHUNK = struct.Struct("<IHB")
 _HEADER = struct.Struct("<4sHB")
 #: History bytes decoded at once (a few thousand rows): bounds the decoder's scratch memory.
-BATCH_BYTES = 16 * 2**20
+BATCH_BYTES = 8 * 2**20
 #: Record fields (wandb_internal.proto `Record`) read by field number, never parsed whole.
 HISTORY_FIELD, SUMMARY_FIELD = 2, 3
 #: `HistoryRecord.item`, and `HistoryItem.key` / `nested_key` / `value_json`.
@@ -72,6 +72,12 @@ class History:
     non_numeric: dict[str, int] = field(default_factory=dict)
     rows: int = 0
 
+    def add(self, batch: _Batch) -> None:
+        self.frames.append(batch.frame)
+        self.nested += batch.nested
+        for key, count in batch.non_numeric.items():
+            self.non_numeric[key] = self.non_numeric.get(key, 0) + count
+
     def frame(self) -> pl.DataFrame:
         if not self.frames:
             return pl.DataFrame({"_row": pl.Series([], dtype=pl.Int64)})
@@ -98,10 +104,10 @@ def read_run_log(path: Path) -> RunLog:
     pb = proto()
     reader = _Records(path)
     history = History()
-    # Batches are decoded by a worker thread while the next ones are read (numpy and polars
-    # release the GIL); at most two wait, which bounds the memory they hold.
-    worker = ThreadPoolExecutor(max_workers=1)
-    waiting: deque[Future[None]] = deque()
+    # Batches are decoded by two worker threads while the next ones are read (numpy and
+    # polars release the GIL): at most two are in flight, which bounds their memory.
+    workers = ThreadPoolExecutor(max_workers=2)
+    waiting: deque[Future[_Batch]] = deque()
     config: dict[str, Any] = {}
     run: dict[str, Any] = {}
     metrics: list[dict[str, Any]] = []
@@ -117,8 +123,9 @@ def read_run_log(path: Path) -> RunLog:
             size += end - start
             if size >= BATCH_BYTES:
                 if len(waiting) >= 2:
-                    waiting.popleft().result()
-                waiting.append(worker.submit(_decode, batch, history, path))
+                    history.add(waiting.popleft().result())
+                waiting.append(workers.submit(_decode, batch, history.rows, path))
+                history.rows += len(batch)
                 batch, size = [], 0
             continue
         if number not in _WANTED:
@@ -142,12 +149,13 @@ def read_run_log(path: Path) -> RunLog:
         elif kind == "telemetry" and record.telemetry.cli_version:
             version = record.telemetry.cli_version
     if batch:
-        waiting.append(worker.submit(_decode, batch, history, path))
+        waiting.append(workers.submit(_decode, batch, history.rows, path))
+        history.rows += len(batch)
     try:
         while waiting:
-            waiting.popleft().result()
+            history.add(waiting.popleft().result())
     finally:
-        worker.shutdown(cancel_futures=True)
+        workers.shutdown(cancel_futures=True)
     return RunLog(path, history, config, run, metrics, version, reader.cut, count + reader.skipped)
 
 
@@ -418,53 +426,66 @@ def _strings(
     return pl.Series(pl.from_arrow(array))
 
 
-def _decode(bodies: list[bytes], history: History, path: Path) -> None:
+@dataclass
+class _Batch:
+    frame: pl.DataFrame
+    nested: list[tuple[int, list[str], str]]
+    non_numeric: dict[str, int]
+
+
+def _decode(bodies: list[bytes], first: int, path: Path) -> _Batch:
     """HistoryRecord messages -> one frame: a column per flat key (numbers as Float64, null
-    where a row lacks the key), `_row` = the row's number in the file. Items with a nested key
-    (a dict value, a table reference) go to `history.nested` for the caller."""
+    where a row lacks the key), `_row` = the row's number in the file (`first` for the first
+    one). Items with a nested key (a dict value, a table reference) are returned apart."""
     joined = b"".join([*bodies, b"\0" * _PAD])
+    n = len(bodies)
     buf = np.frombuffer(joined, dtype=np.uint8)
-    data = pa.py_buffer(joined)
     words = (_unaligned(joined, "<u4"), _unaligned(joined, "<u8"))
-    sizes = np.fromiter((len(b) for b in bodies), dtype=np.int64, count=len(bodies))
+    sizes = np.fromiter((len(b) for b in bodies), dtype=np.int64, count=n)
+    del bodies
     ends = np.cumsum(sizes)
-    first = history.rows
-    history.rows += len(bodies)
     try:
         owner, number, body, stop = _fields(buf, ends - sizes, ends)
         items = number == ITEM
         item_row, item_start, item_end = owner[items], body[items], stop[items]
-        key_at, key_len, value_at, value_len, nested = _items(buf, item_start, item_end)
+        del owner, number, body, stop, items
+        key_at, key_len, value_at, value_len, nested_items = _items(buf, item_start, item_end)
+        nested = [
+            (first + int(item_row[i]), *_nested_item(joined[item_start[i] : item_end[i]]))
+            for i in nested_items
+        ]
+        del item_start, item_end
         flat = key_at >= 0
-        local, names = _key_ids(words[1], joined, key_at[flat], key_len[flat])
+        if not flat.all():
+            item_row, key_at, key_len = item_row[flat], key_at[flat], key_len[flat]
+            value_at, value_len = value_at[flat], value_len[flat]
+        local, names = _key_ids(words[1], joined, key_at, key_len)
     except (ValueError, IndexError, UnicodeDecodeError) as exc:
         raise RlscopeError(f"{path}: a history record does not decode ({exc})") from None
-    for index in nested:
-        item = joined[item_start[index] : item_end[index]]
-        history.nested.append((first + int(item_row[index]), *_nested_item(item)))
-    rows = item_row[flat]
-    texts = _strings(words, data, value_at[flat], value_len[flat])
-    values = texts.cast(pl.Float64, strict=False)
-    failed = values.is_null()
+    values = _strings(words, pa.py_buffer(joined), value_at, value_len).cast(
+        pl.Float64, strict=False
+    )
+    non_numeric: dict[str, int] = {}
+    failed = values.is_null().to_numpy()
+    numbers = values.to_numpy()
     if failed.any():
-        bad = np.bincount(local[failed.to_numpy()], minlength=len(names))
-        for key_id in np.nonzero(bad)[0]:
-            name = names[key_id]
-            history.non_numeric[name] = history.non_numeric.get(name, 0) + int(bad[key_id])
-    column = local
-    valid = ~failed.to_numpy()
-    matrix = np.full((len(bodies), len(names)), np.nan)
-    present = np.zeros((len(bodies), len(names)), dtype=bool)
-    matrix[rows[valid], column[valid]] = values.to_numpy()[valid]
-    present[rows[valid], column[valid]] = True
-    columns: dict[str, pa.Array] = {
-        "_row": pa.array(np.arange(first, first + len(bodies), dtype=np.int64))
-    }
+        bad = np.bincount(local[failed], minlength=len(names))
+        non_numeric = {names[k]: int(bad[k]) for k in np.nonzero(bad)[0]}
+        keep = ~failed
+        item_row, local, numbers = item_row[keep], local[keep], numbers[keep]
+    # Fortran order: each key's column is contiguous for Arrow.
+    matrix = np.full((n, len(names)), np.nan, order="F")
+    present = np.zeros((n, len(names)), dtype=bool, order="F")
+    matrix[item_row, local] = numbers
+    present[item_row, local] = True
+    columns: dict[str, pa.Array] = {"_row": pa.array(np.arange(first, first + n, dtype=np.int64))}
     for j, name in enumerate(names):
         seen = present[:, j]
-        if seen.any():
+        if seen.all():
+            columns[name] = pa.array(matrix[:, j])
+        elif seen.any():
             columns[name] = pa.array(matrix[:, j], mask=~seen)
-    history.frames.append(pl.DataFrame(pl.from_arrow(pa.table(columns))))
+    return _Batch(pl.DataFrame(pl.from_arrow(pa.table(columns))), nested, non_numeric)
 
 
 def _key_ids(
