@@ -355,6 +355,9 @@ def _fields(
     step (one field of each per pass): (message index, field number, body start, body end).
     A field with a one-byte tag and length (a history item shorter than 128 bytes) takes the
     short way."""
+    quick = _short_fields(buf, starts, ends)
+    if quick is not None:
+        return quick
     pos = starts.copy()
     owners, numbers, bodies, stops = [], [], [], []
     active = np.nonzero(pos < ends)[0]
@@ -394,6 +397,34 @@ def _fields(
     )
 
 
+def _short_fields(
+    buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """`_fields` when every field has a one-byte tag and length (history rows whose items are
+    shorter than 128 bytes): the fewest operations a pass, all checked at the end; None when
+    some field is not like that."""
+    pos = starts.copy()
+    owners, tags, lengths, stops = [], [], [], []
+    active = np.nonzero(pos < ends)[0]
+    while active.size:
+        at = pos[active]
+        length = buf[at + 1]
+        stop = at + 2 + length
+        owners.append(active)
+        tags.append(buf[at])
+        lengths.append(length)
+        stops.append(stop)
+        pos[active] = stop
+        active = active[stop < ends[active]]
+    if not owners:
+        return None
+    tag, length = np.concatenate(tags), np.concatenate(lengths)
+    if ((tag | length) >= 0x80).any() or ((tag & 7) != 2).any() or (pos != ends).any():
+        return None
+    stop = np.concatenate(stops)
+    return np.concatenate(owners), (tag >> 3).astype(np.int64), stop - length, stop
+
+
 def _unaligned(joined: bytes, dtype: str) -> np.ndarray:
     """Little-endian words starting at every byte of `joined` (an unaligned, strided view)."""
     size = np.dtype(dtype).itemsize
@@ -403,24 +434,20 @@ def _unaligned(joined: bytes, dtype: str) -> np.ndarray:
 def _strings(
     words: tuple[np.ndarray, np.ndarray], data: pa.Buffer, starts: np.ndarray, lengths: np.ndarray
 ) -> pl.Series:
-    """joined[start:start + length] of each item as a polars Binary series, without copying the
-    bytes: Arrow binary views into the batch buffer (length, then up to 12 bytes inline, or a
-    4-byte prefix, buffer 0 and the offset)."""
+    """joined[start:start + length] of each item as a polars String series, without copying
+    the bytes: Arrow string views into the batch buffer (length, then up to 12 bytes inline, or
+    a 4-byte prefix, buffer 0 and the offset)."""
     u32, u64 = words
     n = len(starts)
-    size = lengths.astype(np.uint64)
-    short = lengths <= 12
     head = u32[starts].astype(np.uint64)
-    keep = np.minimum(lengths, 4).astype(np.uint64) * np.uint64(8)
-    head &= (np.uint64(1) << keep) - np.uint64(1)
-    rest = np.clip(lengths - 4, 0, 8).astype(np.uint64)
-    tail = u64[starts + 4]
-    full = rest == 8
-    ones = np.uint64(0xFFFFFFFFFFFFFFFF)
-    tail &= np.where(full, ones, (np.uint64(1) << (rest * np.uint64(8) % np.uint64(64))) - 1)
+    if (lengths < 4).any():
+        head = _masked(head, lengths)
     views = np.empty((n, 2), dtype=np.uint64)
-    views[:, 0] = size | (head << np.uint64(32))
-    views[:, 1] = np.where(short, tail, starts.astype(np.uint64) << np.uint64(32))
+    views[:, 0] = lengths.astype(np.uint64) | (head << np.uint64(32))
+    views[:, 1] = starts.astype(np.uint64) << np.uint64(32)
+    short = np.nonzero(lengths <= 12)[0]
+    if short.size:
+        views[short, 1] = _masked(u64[starts[short] + 4], lengths[short] - 4)
     # Protobuf strings are UTF-8 (the writer checks): string views, not validated again.
     array = pa.Array.from_buffers(pa.string_view(), n, [None, pa.py_buffer(views), data])
     return pl.Series(pl.from_arrow(array))
@@ -488,30 +515,30 @@ def _decode(bodies: list[bytes], first: int, path: Path) -> _Batch:
     return _Batch(pl.DataFrame(pl.from_arrow(pa.table(columns))), nested, non_numeric)
 
 
+def _masked(word: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """The first `count` (0-8) bytes of little-endian 8-byte words, the rest zeroed."""
+    bits = np.clip(count, 0, 8).astype(np.uint64) * np.uint64(8)
+    full = bits == 64
+    mask = np.where(full, ~np.uint64(0), (np.uint64(1) << (bits % np.uint64(64))) - 1)
+    return word & mask
+
+
 def _key_ids(
     u64: np.ndarray, joined: bytes, starts: np.ndarray, lengths: np.ndarray
 ) -> tuple[np.ndarray, list[str]]:
-    """A number per key (0, 1, ... in order of first appearance) and the keys. Keys are told
-    apart by their length and their 8-byte words at 0, 8, ... and length - 8 (which together
-    are the key's bytes), hashed to find the distinct ones and then compared word for word with
-    the first of each, so equal numbers always mean equal keys."""
+    """A number per key (0, 1, ... in order of first appearance) and the keys. Keys are hashed
+    by their length and first and last 8 bytes (which are the whole key up to 16 bytes), and
+    every key is then compared with the first key of its number: the length and those words
+    for all, the words between for longer keys, so equal numbers always mean equal keys."""
     n = len(starts)
     if not n:
         return np.zeros(0, dtype=np.int64), []
-    width = max(1, -(-int(lengths.max()) // 8))
-    size = lengths.astype(np.uint64)
-    words = np.empty((n, width), dtype=np.uint64)
-    digest = size * np.uint64(0x9E3779B97F4A7C15)
-    for k in range(width):
-        word = u64[starts + np.minimum(8 * k, np.maximum(lengths - 8, 0))]
-        if k == 0:
-            short = lengths < 8
-            bits = np.minimum(size, np.uint64(7)) * np.uint64(8)
-            word = np.where(short, word & ((np.uint64(1) << bits) - np.uint64(1)), word)
-        word = np.where(lengths > 8 * k, word, np.uint64(0))
-        words[:, k] = word
-        digest = (digest ^ word) * np.uint64(0xBF58476D1CE4E5B9)
-        digest ^= digest >> np.uint64(31)
+    head = _masked(u64[starts], lengths)
+    tail = np.where(lengths > 8, u64[starts + np.maximum(lengths - 8, 0)], np.uint64(0))
+    digest = (lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ head
+    digest *= np.uint64(0xBF58476D1CE4E5B9)
+    digest ^= (digest >> np.uint64(31)) ^ tail
+    digest *= np.uint64(0x94D049BB133111EB)
     hashes = pl.Series(digest)
     distinct = hashes.filter(hashes.is_first_distinct()).to_numpy()
     ids = hashes.replace_strict(
@@ -519,7 +546,14 @@ def _key_ids(
     ).to_numpy()
     first = np.empty(len(distinct), dtype=np.int64)
     first[ids[::-1]] = np.arange(n - 1, -1, -1)
-    if not ((words == words[first[ids]]).all() and (lengths == lengths[first[ids]]).all()):
+    same = first[ids]
+    equal = (lengths == lengths[same]) & (head == head[same]) & (tail == tail[same])
+    longer = np.nonzero(lengths > 16)[0]
+    for k in range(1, -(-int(lengths.max()) // 8) - 1):
+        longer = longer[lengths[longer] > 8 * (k + 1)]
+        at = starts[longer] + 8 * k
+        equal[longer] &= u64[at] == u64[starts[same[longer]] + 8 * k]
+    if not equal.all():
         raise ValueError("two history keys share a hash")  # never seen; refuses to guess
     names = [joined[a : a + b].decode() for a, b in zip(starts[first], lengths[first], strict=True)]
     return ids, names
