@@ -104,9 +104,10 @@ def read_run_log(path: Path) -> RunLog:
     pb = proto()
     reader = _Records(path)
     history = History()
-    # Batches are decoded by two worker threads while the next ones are read (numpy and
-    # polars release the GIL): at most two are in flight, which bounds their memory.
-    workers = ThreadPoolExecutor(max_workers=2)
+    # Batches are decoded by a worker thread while the next ones are read (numpy and polars
+    # release the GIL): at most two are in flight, which bounds their memory. (A second worker
+    # saves little with the file hash on the other core, and costs ~50 MB.)
+    workers = ThreadPoolExecutor(max_workers=1)
     waiting: deque[Future[_Batch]] = deque()
     config: dict[str, Any] = {}
     run: dict[str, Any] = {}
