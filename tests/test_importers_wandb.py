@@ -308,3 +308,23 @@ def test_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(RlscopeError) as info:
         wandb_log.proto()
     assert "pip install wandb" in (info.value.hint or "")
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "wandb"
+
+
+def test_files_of_older_wandb(tmp_path: Path) -> None:
+    """Files wandb 0.16.6 wrote (its Python writer: a table reference is one item of JSON
+    text, not nested keys), read with the dev venv's wandb protobuf classes."""
+    out = tmp_path / "trl"
+    result = import_run("wandb", FIXTURES / "0.16.6-trl", out)
+    assert "written by wandb 0.16.6" in result.notes
+    rollouts = open_run(out).scan("rollouts").collect()
+    assert rollouts.height == TRL_STEPS * len(PROMPTS) * GENERATIONS
+    assert steps_of(out)["step"].to_list() == list(range(1, TRL_STEPS + 1))
+    out = tmp_path / "openrlhf"
+    result = import_run("wandb", FIXTURES / "0.16.6-openrlhf", out)
+    frame = steps_of(out)
+    assert frame["step"].to_list() == list(range(1, OPENRLHF_STEPS + 1))
+    assert frame["loss"].to_list() == [openrlhf_status(s)["policy_loss"] for s in frame["step"]]
+    assert any("train/generated_samples" in n and "not there" in n for n in result.notes)

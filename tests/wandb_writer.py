@@ -49,8 +49,15 @@ def init(root: Path, name: str, config: dict) -> wandb.Run:
         dir=str(folder),
         config=config,
         mode="offline",
-        settings=wandb.Settings(console="off", x_disable_stats=True, save_code=False),
+        settings=settings(),
     )
+
+
+def settings() -> wandb.Settings:
+    try:
+        return wandb.Settings(console="off", x_disable_stats=True, save_code=False)
+    except Exception:  # wandb < 0.17 has no x_disable_stats (the writer can run any version)
+        return wandb.Settings(console="off", save_code=False)
 
 
 def verl(root: Path) -> None:

@@ -490,16 +490,25 @@ def _decode(bodies: list[bytes], first: int, path: Path) -> _Batch:
         local, names = _key_ids(words[1], joined, key_at, key_len)
     except (ValueError, IndexError, UnicodeDecodeError) as exc:
         raise RlscopeError(f"{path}: a history record does not decode ({exc})") from None
-    values = _strings(words, pa.py_buffer(joined), value_at, value_len).cast(
-        pl.Float64, strict=False
-    )
+    texts = _strings(words, pa.py_buffer(joined), value_at, value_len)
+    values = texts.cast(pl.Float64, strict=False)
     non_numeric: dict[str, int] = {}
-    failed = values.is_null().to_numpy()
+    failed = values.is_null().to_numpy().copy()
     numbers = values.to_numpy()
     if failed.any():
+        # wandb < 0.17 logs a dict value (a table reference) as one item of JSON text
+        for index in np.nonzero(failed & (texts.str.starts_with("{").to_numpy()))[0]:
+            try:
+                value = json.loads(texts[int(index)])
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                key, row = names[local[index]], first + int(item_row[index])
+                nested += [(row, [key, k], json.dumps(v)) for k, v in value.items()]
+                failed[index] = False  # not a dropped number
         bad = np.bincount(local[failed], minlength=len(names))
         non_numeric = {names[k]: int(bad[k]) for k in np.nonzero(bad)[0]}
-        keep = ~failed
+        keep = ~values.is_null().to_numpy()
         item_row, local, numbers = item_row[keep], local[keep], numbers[keep]
     # Fortran order: each key's column is contiguous for Arrow.
     matrix = np.full((n, len(names)), np.nan, order="F")
