@@ -95,6 +95,7 @@ def test_verl_history(runs: dict[str, Path], tmp_path: Path) -> None:
     assert any("wandb 0.31" in n or "written by wandb" in n for n in result.notes)
 
 
+@pytest.mark.slow  # ~1 s: runs wandb's Go reader
 def test_history_equals_wandbs_own_reader(runs: dict[str, Path]) -> None:
     """Every history row as `wandb leet inspect --json` (wandb's own reader) prints it."""
     wandb_cli = Path(sys.executable).with_name("wandb")
