@@ -120,7 +120,8 @@ def read_run_log(path: Path) -> RunLog:
         count += 1
         number, start, end = _record_type(payload)
         if number == HISTORY_FIELD:
-            batch.append(payload[start:end])
+            # a copy: a view would keep its whole 32 KiB block (summaries too) alive
+            batch.append(bytes(payload[start:end]))
             size += end - start
             if size >= BATCH_BYTES:
                 if len(waiting) >= 2:
@@ -132,7 +133,7 @@ def read_run_log(path: Path) -> RunLog:
         if number not in _WANTED:
             continue
         try:
-            record = pb.Record.FromString(payload)
+            record = pb.Record.FromString(bytes(payload))
         except Exception as exc:
             raise RlscopeError(f"{path}: a record is not a W&B protobuf message ({exc})") from None
         kind = record.WhichOneof("record_type")
@@ -197,7 +198,9 @@ class _Records:
             "chunk before the end means the file was altered or the disk failed",
         )
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[memoryview]:
+        """Each record's bytes: a view into the block read (no copy) for a whole chunk, the
+        pieces joined for a record in several."""
         with open(self.path, "rb") as handle:
             head = handle.read(HEADER)
             if len(head) < HEADER:
@@ -213,11 +216,12 @@ class _Records:
                     f"{self.path}: W&B run file version {version}, rlscope reads version 0 "
                     "(wandb 0.10 - 0.31)"
                 )
-            pending: list[bytes] | None = None
+            pending: list[memoryview] | None = None
             pending_at = 0
             skipping = False
             block_at = 0
             block = head + handle.read(BLOCK - HEADER)
+            view = memoryview(block)
             pos = HEADER
             while True:
                 n = len(block)
@@ -233,7 +237,7 @@ class _Records:
                             self.cut = f"the file ends inside a chunk at byte {at:,}"
                             return
                         raise self._corrupt(at, "a chunk runs past the end of its 32 KiB block")
-                    if zlib.crc32(block[pos + 6 : end]) != crc:
+                    if zlib.crc32(view[pos + 6 : end]) != crc:
                         if last and end == n:
                             self.cut = f"the last chunk (byte {at:,}) fails its checksum"
                             return
@@ -245,19 +249,19 @@ class _Records:
                             if summary:
                                 self.skipped += 1
                             else:
-                                yield block[start:end]
+                                yield view[start:end]
                         else:
-                            pending, pending_at = ([] if summary else [block[start:end]]), at
+                            pending, pending_at = ([] if summary else [view[start:end]]), at
                             skipping = summary
                     elif kind == MIDDLE and pending is not None:
                         if not skipping:
-                            pending.append(block[start:end])
+                            pending.append(view[start:end])
                     elif kind == LAST and pending is not None:
                         if skipping:
                             self.skipped += 1
                         else:
-                            pending.append(block[start:end])
-                            yield b"".join(pending)
+                            pending.append(view[start:end])
+                            yield memoryview(b"".join(pending))
                         pending = None
                     else:
                         raise self._corrupt(at, f"chunk type {kind} out of sequence")
@@ -270,6 +274,7 @@ class _Records:
                     return
                 block_at += n
                 block = handle.read(BLOCK)
+                view = memoryview(block)
                 pos = 0
                 if not block:
                     if pending is not None:
@@ -288,7 +293,7 @@ def _is_summary(block: bytes, start: int, end: int) -> bool:
     return i < end and block[i] == (SUMMARY_FIELD << 3 | 2)
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+def _varint(data: memoryview, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         byte = data[pos]
@@ -299,7 +304,7 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _record_type(payload: bytes) -> tuple[int, int, int]:
+def _record_type(payload: memoryview) -> tuple[int, int, int]:
     """The field number of the record's `record_type` and the span of its message. Fields are
     walked by their wire type (Go's marshaller writes `num` first, then the record)."""
     pos, n = 0, len(payload)

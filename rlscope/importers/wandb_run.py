@@ -440,8 +440,7 @@ def _config(logs: list[RunLog], session: Session) -> dict[str, str]:
 
 WANDB = Importer(
     name="wandb",
-    summary="W&B run files (run-<id>.wandb, online or offline) -> steps (+ TRL completions "
-    "tables -> rollouts)",
+    summary="W&B run files (run-<id>.wandb) -> steps; TRL completions tables -> rollouts",
     options=(
         *(
             o
