@@ -157,6 +157,10 @@ def test_trl_completions_table_becomes_rollouts(runs: dict[str, Path], tmp_path:
     assert doc["correct_source"] == "accuracy_reward > 0"
     assert doc["provenance"]["step"].startswith("train/global_step: declared")
     assert "W&B train/rewards" in doc["provenance"]["reward"]
+    assert (
+        doc["scale_rewards"] == "none" and "W&B config" in doc["provenance"]["frac_reward_zero_std"]
+    )
+    assert any("num_generations = 4 (the W&B config)" in n for n in result.notes)
     assert any("later completions table" in n for n in result.notes)
 
 

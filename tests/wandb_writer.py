@@ -32,6 +32,7 @@ TRL_CONFIG = {
     "max_completion_length": 64,
     "max_grad_norm": 1.0,
     "beta": 0.04,
+    "scale_rewards": "none",
 }
 OPENRLHF_CONFIG = {
     "rollout": {"n_samples_per_prompt": 8, "max_new_tokens": 1024},

@@ -34,6 +34,7 @@ RUN_FILE = re.compile(r"^run-(.+)\.wandb$")
 GLOBAL_STEP = "train/global_step"
 #: OpenRLHF's log_eval adds `global_step` under `eval/` (and declares eval/epoch its axis).
 EVAL_STEP = "eval/global_step"
+SCALES = ("group", "batch", "none")
 
 
 def run_files(source: Path) -> list[Path]:
@@ -163,7 +164,7 @@ def import_wandb(session: Session) -> None:
     provenance.update(state.get("provenance", {}))
     session.meta["provenance"] = {**session.meta.get("provenance", {}), **provenance}
     if completions:
-        _trl_rollouts(completions, frame, session, provenance)
+        _trl_rollouts(completions, frame, session, provenance, _run_config(logs))
     frame = step_columns(frame, state["mapping"])
     last = session.entry["last_step"].get("steps")
     if last is not None:
@@ -358,6 +359,7 @@ def _trl_rollouts(
     steps: pl.DataFrame,
     session: Session,
     provenance: dict[str, str],
+    config: dict[str, Any],
 ) -> None:
     """TRL's completions tables through the trl importer's own reading of a batch (its run.json
     provenance merged with this import's)."""
@@ -395,12 +397,20 @@ def _trl_rollouts(
             if inferred is not None:
                 state["reward_weights"] = inferred
     generations = opts["num_generations"] or state.get("num_generations")
+    if generations is None and config.get("num_generations"):
+        generations = int(config["num_generations"])
+        session.notes.append(f"num_generations = {generations} (the W&B config)")
     if generations is None:
         sample = [f.select("prompt") for _, f, _ in tables]
         generations = trl_importer.generations_of(sample[: trl_importer.INFER_FILES])
         session.notes.append(
             f"num_generations = {generations} (inferred from runs of identical prompts)"
         )
+    # GRPOConfig.scale_rewards (a bool before TRL 0.22), else detected from the advantages
+    scale = config.get("scale_rewards")
+    scale = {True: "group", False: "none"}.get(scale, scale) if isinstance(scale, bool) else scale
+    if not opts["scale_rewards"] and "scale_rewards" not in state and scale in SCALES:
+        state["scale_rewards"], state["scale_source"] = scale, "the W&B config"
     state["num_generations"] = generations
     session.meta["group_size"] = generations
 
@@ -430,12 +440,16 @@ def _trl_rollouts(
     set_meta()
 
 
-def _config(logs: list[RunLog], session: Session) -> dict[str, str]:
-    """run.json fields from the W&B config (`wandb.init(config=...)`)."""
+def _run_config(logs: list[RunLog]) -> dict[str, Any]:
     config: dict[str, Any] = {}
     for log in logs:
         config.update(log.config)
-    return config_fields(config, session, "the W&B config")
+    return config
+
+
+def _config(logs: list[RunLog], session: Session) -> dict[str, str]:
+    """run.json fields from the W&B config (`wandb.init(config=...)`)."""
+    return config_fields(_run_config(logs), session, "the W&B config")
 
 
 WANDB = Importer(
