@@ -42,6 +42,9 @@ TRL_NAMES = {
     "clip_ratio/region_mean": "clip_frac",
     "completions/mean_length": "response_len",
     "completions/clipped_ratio": "truncation_rate",
+    # vLLM with importance-sampling correction (grpo_trainer.py, TRL 0.23 on): under its own
+    # name, which stability.mismatch_abs_logp reads
+    "sampling/sampling_logp_difference/mean": "sampling/sampling_logp_difference/mean",
 }
 #: The same under `train/` (`eval_*` under `eval/`): `rewrite_logs` in integration_utils.py,
 #: used by its TensorBoardCallback and WandbCallback.
@@ -54,6 +57,9 @@ OPENRLHF_TAGS = {
     "train/actor_lr": "lr",
     "train/actor_grad_norm": "grad_norm",  # v0.9.6 on (ray/ppo_actor.py training_step)
     "train/ppo_clip_ratio": "clip_frac",
+    # token-mean old_log_probs - log_probs (models/loss.py PolicyLoss.forward): what
+    # stability.ppo_kl reads as `ppo_kl`
+    "train/ppo_kl": "ppo_kl",
     # token-mean entropy, logged when actor.entropy_coef is set (ray/ppo_actor.py)
     "train/entropy_loss": "entropy",
     "train/response_length": "response_len",
@@ -200,14 +206,17 @@ Mapping (source key -> steps column), per trainer, from the code that writes the
   `train/`, `eval_*` as `eval/*`): train/loss -> loss, train/grad_norm -> grad_norm,
   train/learning_rate -> lr, train/reward -> reward, train/kl -> kl, train/entropy -> entropy,
   train/clip_ratio/region_mean -> clip_frac, train/completions/mean_length -> response_len,
-  train/completions/clipped_ratio -> truncation_rate.
+  train/completions/clipped_ratio -> truncation_rate, train/sampling/sampling_logp_difference/
+  mean -> sampling/sampling_logp_difference/mean (vLLM importance sampling, TRL 0.23 on: read
+  by stability.mismatch_abs_logp).
 
   OpenRLHF (openrlhf/utils/logging_utils.py `WandbLogger.log_train` /
   `TensorboardLogger.log_train` since v0.9.1, `train/<key>` for the status dict of
   ppo_trainer.py `train_step`; flag `--logger.tensorboard_dir` since v0.10.2, `--use_tensorboard`
   before; up to v0.9.0 ppo_trainer.py wrote TensorBoard only when W&B was off):
   train/policy_loss -> loss, train/actor_lr -> lr, train/actor_grad_norm -> grad_norm (v0.9.6
-  on), train/ppo_clip_ratio -> clip_frac, train/entropy_loss -> entropy (a token mean, logged
+  on), train/ppo_clip_ratio -> clip_frac, train/ppo_kl -> ppo_kl (token-mean old - new
+  log-prob, models/loss.py PolicyLoss.forward), train/entropy_loss -> entropy (a token mean, logged
   when actor.entropy_coef is set), train/response_length -> response_len, train/reward ->
   reward, train/kl -> kl only when some step logged a non-zero value (without a reference
   model, init_kl_coef 0, it is 0.0 at every step: "not computed", kept as the extra column
