@@ -106,8 +106,9 @@ def import_wandb(session: Session) -> None:
     completion, one per reward function, advantage) -> rollouts exactly as the `trl` importer
     reads its parquet files (`rlscope formats trl`: groups, reward, correct, words), the reward
     functions from the `train/rewards/<name>/mean` keys, num_generations and scale_rewards
-    from the config (GRPOConfig) when it has them, else inferred as `trl` does; then train/completions/mean_length is
-    kept as `completions/mean_length_logged` (tokens; response_len counts words). OpenRLHF's
+    from the config (GRPOConfig) when it has them, else inferred as `trl` does; then
+    train/completions/mean_length is kept as `completions/mean_length_logged` (tokens;
+    response_len counts words). OpenRLHF's
     samples table (global_step, text, reward: one decoded prompt+response a step) and verl's
     validation table (val/generations: step, input_1, output_1, score_1, ... side by side) are
     skipped, with the reason in the notes: neither is a batch of rollouts. A table's file is
