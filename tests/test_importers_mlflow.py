@@ -21,6 +21,8 @@ pytest.importorskip("mlflow")
 pytest.importorskip("sqlalchemy")
 from trainer_keys import trl_logs, verl_metrics
 
+# mlflow's own use of SQLAlchemy warns (noload); not rlscope's concern
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 runner = CliRunner()
 STEPS = 20
 VERL_PARAMS = {
