@@ -59,10 +59,11 @@ def _flatten(config: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def write_verl(mlflow, name: str, *, nan_at: int | None = None) -> str:
+def write_verl(mlflow, name: str, *, nan_at: int | None = None, agg: str = "token-mean") -> str:
     mlflow.set_experiment("rlscope-tests")
     with mlflow.start_run(run_name=name) as run:
-        mlflow.log_params(_flatten(VERL_PARAMS))
+        params = _flatten(VERL_PARAMS) | {"actor_rollout_ref/actor/loss_agg_mode": agg}
+        mlflow.log_params(params)
         adapter = VerlMlflow()
         for step in range(1, STEPS + 1):
             data = verl_metrics(step) | {"actor/reward_kl_penalty": 0.001 * step}
@@ -101,7 +102,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         out["sqlite_trl"] = write_trl(mlflow, "trl-sqlite")
         mlflow.set_tracking_uri((root / "mlruns").as_uri())
         out["files"] = root / "mlruns"
-        out["files_verl"] = write_verl(mlflow, "verl-files")
+        out["files_verl"] = write_verl(mlflow, "verl-files", agg="seq-mean-token-sum")
         empty = root / "empty"
         mlflow.set_tracking_uri(f"sqlite:///{empty}.db")
         mlflow.set_experiment("empty")
@@ -122,18 +123,24 @@ def steps_of(out: Path) -> pl.DataFrame:
     return open_run(out).scan("steps").collect().sort("step")
 
 
-def _check_verl(out: Path, result) -> None:
+def _check_verl(out: Path, result, *, token_mean: bool = True) -> None:
     frame = steps_of(out)
     assert frame["step"].to_list() == list(range(1, STEPS + 1))
     logged = [verl_metrics(s) for s in range(1, STEPS + 1)]
-    assert frame["entropy"].to_list() == pytest.approx([r["actor/entropy"] for r in logged])
+    entropy = [r["actor/entropy"] for r in logged]
+    doc = json.loads((out / "run.json").read_text())
+    if token_mean:
+        assert frame["entropy"].to_list() == pytest.approx(entropy)
+    else:  # seq-mean-token-sum: a per-sequence sum, not nats per token
+        assert "entropy" not in frame.columns
+        assert frame["actor/entropy"].to_list() == pytest.approx(entropy)
+        assert "seq-mean-token-sum" in doc["provenance"]["entropy"]
     assert frame["reward"].to_list() == pytest.approx([r["critic/score/mean"] for r in logged])
     # the key verl sanitised for MLflow, read back under verl's own name
     acc = frame["val-core/openai/gsm8k/acc/mean@1"].to_list()
     assert acc == pytest.approx([r["val-core/openai/gsm8k/acc/mean@1"] for r in logged])
     # KL loss off (0 at every step): the reward's KL penalty is the KL
     assert frame["kl"].to_list() == pytest.approx([0.001 * s for s in range(1, STEPS + 1)])
-    doc = json.loads((out / "run.json").read_text())
     assert doc["group_size"] == 8 and doc["max_response_len"] == 1024
     assert doc["clip_ratio_low"] == 0.2 and doc["max_grad_norm"] == 1.0
     assert doc["algorithm"] == "PPO"  # adv_estimator gae
@@ -155,7 +162,7 @@ def test_sqlite_store_verl(stores: dict, tmp_path: Path) -> None:
 def test_file_store_verl(stores: dict, tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = import_run("mlflow", stores["files"], out)  # the store's only run
-    _check_verl(out, result)
+    _check_verl(out, result, token_mean=False)
 
 
 def test_run_picked_by_name(stores: dict, tmp_path: Path) -> None:
@@ -212,5 +219,7 @@ def test_analyze_from_mlflow(stores: dict, tmp_path: Path) -> None:
     result = runner.invoke(app, [*args, "--cache-dir", str(tmp_path / "cache")])
     assert result.exit_code in (0, 1), result.output
     report = json.loads(result.stdout)
-    for metric in ("stability.loss", "stability.grad_norm", "behavior.entropy", "signal.reward"):
+    for metric in ("stability.loss", "stability.grad_norm", "stability.kl", "signal.reward"):
         assert metric in report["metrics"], metric
+    # loss_agg_mode seq-mean-token-sum: actor/entropy is no per-token entropy, so none is judged
+    assert "behavior.entropy" not in report["metrics"]

@@ -197,7 +197,9 @@ Mapping (source key -> steps column), per trainer, from the code that writes the
   token mean), critic/score/mean -> reward, response_length/mean -> response_len (tokens),
   response_length/clip_ratio -> truncation_rate, actor/kl_loss -> kl only when some step
   logged a non-zero value (with the KL loss off, verl's default since 0.7, it logs 0.0 at
-  every step: kept as the extra column `actor/kl_loss`, never read as the KL); without it
+  every step: kept as the extra column `actor/kl_loss`, never read as the KL; where the run's
+  config says actor.loss_agg_mode is not token-mean, actor/entropy stays an extra column too,
+  W&B and MLflow only); without it
   (absent or all 0), actor/reward_kl_penalty -> kl (use_kl_in_reward: the k1 KL applied
   through the reward, ray_trainer.py `apply_kl_penalty`).
 
@@ -323,6 +325,18 @@ def config_fields(config: Mapping[str, Any], session: Session, what: str) -> dic
     text = f"run.json from {what}: " + ", ".join(used)
     session.notes.append(text)
     return {"config": text}
+
+
+def entropy_by_config(resolved: Resolved, config: Mapping[str, Any]) -> None:
+    """verl's actor/entropy is nats per token only with loss_agg_mode token-mean (core_algos.py
+    `agg_loss`): with another mode in the run's config it stays the extra column."""
+    mode = _lookup(config, "actor_rollout_ref.actor.loss_agg_mode")
+    if resolved.mapping.get("actor/entropy") == "entropy" and mode not in (None, "token-mean"):
+        del resolved.mapping["actor/entropy"]
+        resolved.provenance["entropy"] = (
+            f"actor/entropy is agg_loss(entropy, mask, '{mode}') (the run's config; "
+            "core_algos.py agg_loss): not nats per token, kept as the extra column actor/entropy"
+        )
 
 
 def with_mapping(doc: str | None) -> str:

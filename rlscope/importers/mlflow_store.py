@@ -16,6 +16,7 @@ from rlscope.importers._tags import (
     VERL_TAGS,
     all_zero_frame,
     config_fields,
+    entropy_by_config,
     resolve,
     step_columns,
     with_mapping,
@@ -96,6 +97,7 @@ def import_mlflow(session: Session) -> None:
     provenance.update(config_fields(config, session, f"the MLflow run's params ({run['id']})"))
     if "mapping" not in state:
         resolved = resolve(all_zero_frame(frame, NAMES), NAMES)
+        entropy_by_config(resolved, config)
         state["mapping"], state["provenance"] = resolved.mapping, resolved.provenance
         session.notes += resolved.notes
     provenance.update(state.get("provenance", {}))

@@ -17,6 +17,7 @@ from rlscope.importers._tags import (
     TAGS,
     all_zero_frame,
     config_fields,
+    entropy_by_config,
     resolve,
     step_columns,
     with_mapping,
@@ -161,6 +162,7 @@ def import_wandb(session: Session) -> None:
         names["train/completions/mean_length"] = "completions/mean_length_logged"
     if "mapping" not in state:
         resolved = resolve(all_zero_frame(frame, names), names)
+        entropy_by_config(resolved, _run_config(logs))
         state["mapping"], state["provenance"] = resolved.mapping, resolved.provenance
         session.notes += resolved.notes
     provenance.update(state.get("provenance", {}))
