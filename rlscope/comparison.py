@@ -66,6 +66,7 @@ class MetricComparison:
     band: tuple[float | None, float | None] | None = None  # the healthy band, if declared
     task: str = ""  # a task outcome's short name: the verdict leads with it
     scale_from: tuple[str, ...] = ()  # run.json fields that set its scale
+    part: str = ""  # "critic" for PPO's value function (rlscope.spec.Part)
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,7 @@ class Comparison:
             "metrics": {
                 m.id: {
                     "layer": m.layer,
+                    **({"part": m.part} if m.part else {}),
                     "title": m.title,
                     "better": m.better,
                     "band": list(m.band) if m.band is not None else None,
@@ -384,6 +386,7 @@ def compare_reports(
             band,
             first.task,
             first.scale_from,
+            first.part,
         )
 
     finding_ids = list(dict.fromkeys(f.id for r in reports for f in r.findings))

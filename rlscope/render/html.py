@@ -23,7 +23,7 @@ from rlscope.render.sanitize import safe_text
 from rlscope.render.svg import Chart
 from rlscope.render.svg import escape as _e
 from rlscope.render.terminal import format_value, summary_line
-from rlscope.report import MetricResult, Report, run_provenance
+from rlscope.report import PART_HEADINGS, MetricResult, Report, policy_first, run_provenance
 from rlscope.spec import LAYERS, Finding
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
@@ -635,7 +635,11 @@ def render_html(
     ids = list(dict.fromkeys(i for r in reports for i in r.metrics))
     for layer, name in LAYERS.items():
         layer_ids = [
-            i for i in ids if next(r.metrics[i] for r in reports if i in r.metrics).layer == layer
+            m.id
+            for m in policy_first(
+                [next(r.metrics[i] for r in reports if i in r.metrics) for i in ids]
+            )
+            if m.layer == layer
         ]
         skipped = sorted(
             {
@@ -739,6 +743,8 @@ def _caption(metric_id: str, reports: Sequence[Report], labels: Sequence[str]) -
         (r.metrics[metric_id] for r in reports if metric_id in r.metrics), None
     )
     title = first.title if first is not None else ""
+    if first is not None and first.part:
+        title = f"{PART_HEADINGS[first.part]}: {title}"
     values = "; ".join(
         f"{_e(label)} {_e(format_value(r.metrics[metric_id].value))}"
         for r, label in zip(reports, labels, strict=True)
