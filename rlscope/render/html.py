@@ -320,6 +320,32 @@ def _reward_chart(
     return chart.svg(_xlabel(align), "mean reward of the function")
 
 
+def _early_answer_chart(reports: Sequence[Report], labels: Sequence[str]) -> str | None:
+    """Lanham et al.'s figure: the share of answers unchanged against the share of the chain
+    kept, a line per probed step (reasoning.early_answer_aoc's `curves_by_step`)."""
+    found = [
+        (i, curve)
+        for i, r in enumerate(reports)
+        if (m := r.metrics.get("reasoning.early_answer_aoc")) is not None
+        for curve in m.extra.get("curves_by_step") or ()
+    ]
+    if not found:
+        return None
+    chart = Chart(*SMALL)
+    dashes = [None, "5,3", "2,2", "6,2,2,2"]
+    for n, (i, curve) in enumerate(found):
+        prefix = f"{labels[i]} " if len(reports) > 1 else ""
+        chart.line(
+            [float(x) for x in curve["fraction"]],
+            [float(y) for y in curve["unchanged"]],
+            COLORS[n % len(COLORS)],
+            label=_label(f"{prefix}step {curve['step']}"),
+            dash=dashes[i % len(dashes)],
+            markers=True,
+        )
+    return chart.svg("share of the chain of thought kept", "answers unchanged")
+
+
 def _entropy_chart(
     reports: Sequence[Report], labels: Sequence[str], align: str, smooth: int | None
 ) -> str | None:
@@ -696,6 +722,14 @@ def render_html(
     if svg is not None:
         caption = "pass@k for k = 1…N: first (dashed) vs last (solid) 10% of steps"
         parts.append(_figure(_e(caption), svg, "chart-pass-k"))
+    svg = _early_answer_chart(reports, labels)
+    if svg is not None:
+        caption = (
+            "Early answering (Lanham et al. 2023): answers unchanged when the chain of thought "
+            "is cut to a share of its steps, per probed step; a flat line at 1 is a chain the "
+            "answer does not depend on"
+        )
+        parts.append(_figure(_e(caption), svg, "chart-early-answering"))
     svg = _entropy_chart(reports, labels, align, smooth)
     if svg is not None:
         parts.append(

@@ -252,11 +252,15 @@ def _probes(view: RolloutView) -> list[RenderableType]:
     if not view.probes:
         return [Text("no probes of this rollout", style="dim")]
     table = Table(title="Probes", title_justify="left", title_style="bold underline")
-    for column in ("intervention", "fraction", "answer", "hint", "unchanged"):
+    models = any(probe.row.get("model") is not None for probe in view.probes)
+    columns = ("probe", "intervention", "fraction", "answer", "hint", "unchanged")
+    for column in (*columns, "model") if models else columns:
         table.add_column(Text(column), no_wrap=True, overflow="ellipsis")
-    for probe in view.probes:
+    texts: list[RenderableType] = []
+    for number, probe in enumerate(view.probes, 1):
         unchanged = probe.unchanged
         table.add_row(
+            Text(str(number)),
             _cell(probe.row.get("intervention"), ANSWER_WIDTH),
             _cell(probe.row.get("fraction")),
             _cell(probe.row.get("answer"), ANSWER_WIDTH),
@@ -265,8 +269,12 @@ def _probes(view: RolloutView) -> list[RenderableType]:
                 "—" if unchanged is None else "yes" if unchanged else "no",
                 style="dim" if unchanged is None else "green" if unchanged else "red",
             ),
+            *([_cell(probe.row.get("model"), ANSWER_WIDTH)] if models else []),
         )
-    return [table]
+        response = probe.row.get("response")
+        if response:
+            texts.append(Text(f"probe {number}: ", style="bold").append(safe_text(str(response))))
+    return [table, *texts]
 
 
 def render_rollout(view: RolloutView, console: Console) -> None:
