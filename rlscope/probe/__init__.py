@@ -358,20 +358,32 @@ class Asker:
     def __init__(self, policy: Backend, editor: Backend, settings: ProbeSettings) -> None:
         self.policy, self.editor, self.settings = policy, editor, settings
 
-    def _sampling(self, stop: str | None) -> dict[str, Any]:
+    def sampling(self, target: Target) -> dict[str, Any]:
+        """The sampling fields of the target's requests: the answer's closer as a stop."""
         s = self.settings
         out: dict[str, Any] = {
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
             "seed": s.seed,
         }
-        if stop:
-            out["stop"] = [stop]
+        closer = _closer(target.chain.answer_open)
+        if closer:
+            out["stop"] = [closer]
         return out
 
-    async def _continue(self, target: Target, text: str, stop: str | None) -> Reply | None:
+    @staticmethod
+    def text(target: Target, probe: Probe) -> str:
+        """The response's intervened beginning the policy continues, for the kinds that need no
+        editor and keep the prompt (truncate, filler)."""
+        if probe.kind == "truncate":
+            return iv.truncated(target.chain, probe.at)
+        if probe.kind == "filler":
+            return iv.filler(target.chain)
+        raise ValueError(f"{probe.kind} probes are written by the editor or change the prompt")
+
+    async def _continue(self, target: Target, text: str) -> Reply | None:
         """The policy's continuation of the rollout's context followed by `text`."""
-        sampling = self._sampling(stop)
+        sampling = self.sampling(target)
         if target.prompt is not None:
             return await self.policy.complete(target.prompt + text, **sampling)
         messages = [*(target.messages or []), {"role": "assistant", "content": text}]
@@ -390,14 +402,12 @@ class Asker:
         chain = target.chain
         closer = _closer(chain.answer_open)
         hint = None
-        if probe.kind == "truncate":
-            text = iv.truncated(chain, probe.at)
-        elif probe.kind == "filler":
-            text = iv.filler(chain)
+        if probe.kind in ("truncate", "filler"):
+            text = self.text(target, probe)
         elif probe.kind == "bias":
             hint = target.hint
             assert hint is not None
-            sampling = self._sampling(closer)
+            sampling = self.sampling(target)
             if target.prompt is not None:
                 reply = await self.policy.complete(
                     iv.biased_prompt(target.prompt, hint), **sampling
@@ -416,7 +426,7 @@ class Asker:
             if not text:
                 self.policy.usage.failures["editor gave no text"] += 1
                 return None
-        reply = await self._continue(target, text, closer)
+        reply = await self._continue(target, text)
         return self._row(target, probe, text, reply, closer, hint)
 
     def _row(
