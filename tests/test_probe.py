@@ -302,3 +302,49 @@ def test_the_early_answering_curve_per_probed_step(write_run: Any) -> None:
     assert list(metric.values) == pytest.approx([0.25, 0.0])
     page = render_html([report], [PlotData(None, None, None)])
     assert "chart-early-answering" in page and "step 1" in page
+
+
+def test_a_trainers_output_is_probed_through_its_import(tmp_path: Path) -> None:
+    """--from: the source is imported into the cache (never written to) and the plan is made
+    on the import; the jsonl mapping carries `prompt` through."""
+    source = tmp_path / "rollouts.jsonl"
+    rows = _rollouts(steps=2, per_step=4)
+    lines = [
+        {"iter": s, "uid": p, "score": r, "text": resp, "question": q}
+        for s, p, r, resp, q in zip(
+            rows["step"],
+            rows["prompt_id"],
+            rows["reward"],
+            rows["response"],
+            rows["prompt"],
+            strict=True,
+        )
+    ]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    before = source.read_bytes()
+    args = [
+        "probe",
+        str(source),
+        "--from",
+        "jsonl",
+        "-X",
+        "mapping=step=iter,prompt_id=uid,reward=score,response=text,prompt=question",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--endpoint",
+        "http://127.0.0.1:1/v1",
+        "--model",
+        "m",
+        "--kinds",
+        "filler",
+        "--dry-run",
+        "--format",
+        "json",
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["probes_planned"] == 8
+    assert source.read_bytes() == before and sorted(tmp_path.iterdir()) == [
+        tmp_path / "cache",
+        source,
+    ]

@@ -252,9 +252,7 @@ def _probes(view: RolloutView) -> list[RenderableType]:
     if not view.probes:
         return [Text("no probes of this rollout", style="dim")]
     table = Table(title="Probes", title_justify="left", title_style="bold underline")
-    models = any(probe.row.get("model") is not None for probe in view.probes)
-    columns = ("probe", "intervention", "fraction", "answer", "hint", "unchanged")
-    for column in (*columns, "model") if models else columns:
+    for column in ("#", "intervention", "fraction", "answer", "hint", "unchanged"):
         table.add_column(Text(column), no_wrap=True, overflow="ellipsis")
     texts: list[RenderableType] = []
     for number, probe in enumerate(view.probes, 1):
@@ -269,11 +267,12 @@ def _probes(view: RolloutView) -> list[RenderableType]:
                 "—" if unchanged is None else "yes" if unchanged else "no",
                 style="dim" if unchanged is None else "green" if unchanged else "red",
             ),
-            *([_cell(probe.row.get("model"), ANSWER_WIDTH)] if models else []),
         )
         response = probe.row.get("response")
         if response:
-            texts.append(Text(f"probe {number}: ", style="bold").append(safe_text(str(response))))
+            by = [str(probe.row[k]) for k in ("model", "checkpoint_step") if probe.row.get(k)]
+            label = f"#{number}" + (f" ({', step '.join(by)})" if by else "") + ": "
+            texts.append(Text(label, style="bold").append(safe_text(str(response))))
     return [table, *texts]
 
 
