@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import shutil
 import sys
 import tempfile
@@ -24,52 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_report import write_section
-from probe_server import Server, add_task, copy_task, post_json, served, tiny_reasoner_dir
+from probe_server import post_json, sampled_run, served, tiny_reasoner_dir
 
-from rlscope.importers.text import extract_answer
 from rlscope.probe import Asker, ProbeSettings, plan_probes, probe_run
 from rlscope.probe.client import _openai
 from rlscope.reader import open_run
-from rlscope.writer import RunWriter
 
 SECTION = "## Faithfulness probes against a local server"
-
-
-def sampled_run(server: Server, path: Path, steps: int, per_step: int) -> Path:
-    """The served model's own completions of its two task families, as the run's rollouts."""
-    rng = random.Random(0)
-    rid = 0
-    with RunWriter(path, run_id="bench-probe", algorithm="GRPO") as writer:
-        for step in range(steps):
-            rows: dict[str, list[Any]] = {
-                k: []
-                for k in ("rollout_id", "step", "prompt_id", "reward", "response_len", "prompt")
-            }
-            rows |= {"response": [], "answer": [], "correct": []}
-            for i in range(per_step):
-                prompt, _, truth = (
-                    add_task(*(rng.randint(0, 9) for _ in range(3)))
-                    if i % 2 == 0
-                    else copy_task(rng.randint(0, 27))
-                )
-                text = server.complete(prompt, max_tokens=48, temperature=1.0, seed=rid)
-                response = text["choices"][0]["text"]
-                answer = extract_answer(response)
-                for key, value in (
-                    ("rollout_id", rid),
-                    ("step", step),
-                    ("prompt_id", prompt),
-                    ("reward", float(answer == truth)),
-                    ("response_len", len(response.split())),
-                    ("prompt", prompt),
-                    ("response", response),
-                    ("answer", answer),
-                    ("correct", answer == truth),
-                ):
-                    rows[key].append(value)
-                rid += 1
-            writer.log_rollouts(rows)
-    return path
 
 
 def bodies(run: Path, settings: ProbeSettings) -> list[dict[str, Any]]:

@@ -414,3 +414,44 @@ def served(
         yield server
     finally:
         server.stop()
+
+
+def sampled_run(server: Server, path: Path, steps: int, per_step: int, seed: int = 0) -> Path:
+    """A run of `steps` steps of `per_step` rollouts (half `Add`, half `Copy`), each the served
+    model's own completion of its prompt (temperature 1), written with rlscope's RunWriter, the
+    answer extracted as rlscope's importers do; a prompt is its own prompt_id."""
+    import random
+
+    from rlscope.importers.text import extract_answer
+    from rlscope.writer import RunWriter
+
+    rng = random.Random(seed)
+    rollout_id = 0
+    with RunWriter(path, run_id="tiny-reasoner", algorithm="GRPO") as writer:
+        for step in range(steps):
+            rows: dict[str, list[Any]] = {
+                k: []
+                for k in ("rollout_id", "step", "prompt_id", "reward", "correct", "response_len")
+            }
+            rows |= {"prompt": [], "response": [], "answer": []}
+            tasks = [add_task(*(rng.randint(0, 9) for _ in range(3))) for _ in range(per_step // 2)]
+            tasks += [copy_task(rng.randint(0, 27)) for _ in range(per_step - len(tasks))]
+            for prompt, _, truth in tasks:
+                reply = server.complete(prompt, max_tokens=48, temperature=1.0, seed=rollout_id)
+                response = reply["choices"][0]["text"]
+                answer = extract_answer(response)
+                for key, value in (
+                    ("rollout_id", rollout_id),
+                    ("step", step),
+                    ("prompt_id", prompt),
+                    ("reward", float(answer == truth)),
+                    ("correct", answer == truth),
+                    ("response_len", len(response.split())),
+                    ("prompt", prompt),
+                    ("response", response),
+                    ("answer", answer),
+                ):
+                    rows[key].append(value)
+                rollout_id += 1
+            writer.log_rollouts(rows)
+    return path

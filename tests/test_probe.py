@@ -259,8 +259,8 @@ def test_the_early_answering_curve_per_probed_step(write_run: Any) -> None:
     per share of the chain kept (the point (1, 1) added where no probe kept it all); drawn in
     the HTML report as Lanham et al.'s figure."""
     from rlscope.analysis import analyze
-    from rlscope.render.html import render_html
     from rlscope.plots import PlotData
+    from rlscope.render.html import render_html
 
     path = write_run({"rollouts": _rollouts(steps=2, per_step=2)})
     probes = []

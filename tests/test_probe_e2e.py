@@ -5,7 +5,6 @@ the served model's own samples; the probes go through the CLI."""
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -15,12 +14,11 @@ from typing import Any
 import polars as pl
 import pytest
 from conftest import run_trainer
-from probe_server import Server, add_task, copy_task, served, tiny_reasoner_dir
+from probe_server import Server, sampled_run, served, tiny_reasoner_dir
 from typer.testing import CliRunner
 
 from rlscope.analysis import analyze
 from rlscope.cli import app
-from rlscope.importers.text import extract_answer
 from rlscope.integrations.trl import IN_LOOP_MODEL
 from rlscope.writer import RunWriter
 
@@ -34,52 +32,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model_dir = tiny_reasoner_dir()
     with served(model_dir, log=tmp_path_factory.mktemp("serve") / "serve.log") as running:
         yield running
-
-
-def _tasks(rng: random.Random) -> list[tuple[str, str, str]]:
-    """Half `Add` (the answer is in the chain), half `Copy` (it is in the prompt)."""
-    adds = [add_task(*(rng.randint(0, 9) for _ in range(3))) for _ in range(PER_STEP // 2)]
-    copies = [copy_task(rng.randint(0, 27)) for _ in range(PER_STEP // 2)]
-    return adds + copies
-
-
-def _sampled_run(server: Server, path: Path) -> Path:
-    """STEPS steps of PER_STEP rollouts, each the served model's own completion (temperature 1)
-    of its prompt, with the answer extracted as the importers do."""
-    rng = random.Random(0)
-    rollout_id = 0
-    with RunWriter(path, run_id="tiny-reasoner", algorithm="GRPO") as writer:
-        for step in range(STEPS):
-            rows: dict[str, list[Any]] = {
-                k: []
-                for k in (
-                    "rollout_id",
-                    "step",
-                    "prompt_id",
-                    "reward",
-                    "correct",
-                    "response_len",
-                    "prompt",
-                    "response",
-                    "answer",
-                )
-            }
-            for prompt, _, truth in _tasks(rng):
-                reply = server.complete(prompt, max_tokens=48, temperature=1.0, seed=rollout_id)
-                response = reply["choices"][0]["text"]
-                answer = extract_answer(response)
-                rows["rollout_id"].append(rollout_id)
-                rows["step"].append(step)
-                rows["prompt_id"].append(prompt)
-                rows["reward"].append(float(answer == truth))
-                rows["correct"].append(answer == truth)
-                rows["response_len"].append(len(response.split()))
-                rows["prompt"].append(prompt)
-                rows["response"].append(response)
-                rows["answer"].append(answer)
-                rollout_id += 1
-            writer.log_rollouts(rows)
-    return path
 
 
 def _probe(path: Path, server: Server, *args: str) -> Any:
@@ -97,7 +49,7 @@ def _probes(path: Path) -> pl.DataFrame:
 def test_probes_through_a_real_server_resume_without_duplicates(
     server: Server, tmp_path: Path
 ) -> None:
-    run = _sampled_run(server, tmp_path / "run")
+    run = sampled_run(server, tmp_path / "run", STEPS, PER_STEP)
     rollouts = pl.read_parquet(run / "rollouts" / "*.parquet")
     before = server.requests("POST", "/v1/completions")
     args = [
@@ -158,7 +110,7 @@ def test_probes_through_a_real_server_resume_without_duplicates(
 def test_a_server_stopped_mid_run_then_restarted_completes_without_duplicates(
     server: Server, tmp_path: Path
 ) -> None:
-    run = _sampled_run(server, tmp_path / "run")
+    run = sampled_run(server, tmp_path / "run", STEPS, PER_STEP)
     args = [
         "--kinds",
         "truncate",
@@ -199,7 +151,7 @@ def test_a_server_stopped_mid_run_then_restarted_completes_without_duplicates(
 
 
 def test_bad_input_exits_2_and_writes_nothing(server: Server, tmp_path: Path) -> None:
-    run = _sampled_run(server, tmp_path / "run")
+    run = sampled_run(server, tmp_path / "run", STEPS, PER_STEP)
     files = sorted(p.relative_to(run) for p in run.rglob("*"))
     unknown = CliRunner().invoke(
         app, ["probe", str(run), "--endpoint", server.url, "--model", "gpt-9"]
