@@ -489,10 +489,9 @@ async def _ask_all(
         else policy
     )
     try:
-        chat = any(t.prompt is None for t in targets)
-        await policy.check(chat=chat)
-        if editing and editor is not policy:
-            await editor.check(chat=True)
+        await policy.check(chat=any(t.prompt is None for t in targets))
+        if editing:  # the editor is asked in chat, a new turn
+            await editor.check(chat=True, continuing=False)
         await ask_targets(targets, Asker(policy, editor, settings), writer, summary, progress)
     finally:
         summary.add_usage(usage)

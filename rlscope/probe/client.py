@@ -145,9 +145,10 @@ class Endpoint:
         self.usage.completion_tokens += reply.completion_tokens
         return reply
 
-    async def check(self, chat: bool) -> None:
-        """The server answers, offers the model, and serves the endpoint the probes need; an
-        RlscopeError saying what to do otherwise."""
+    async def check(self, chat: bool, *, continuing: bool = True) -> None:
+        """The server answers, offers the model, and serves the endpoint the probes need
+        (`/completions`, or `/chat/completions`, `continuing` an assistant turn); an RlscopeError
+        saying what to do otherwise."""
         openai = self._errors
         try:
             offered = await self.models()
@@ -170,14 +171,12 @@ class Endpoint:
         path = "/chat/completions" if chat else "/completions"
         try:
             if chat:
+                turn = [{"role": "assistant", "content": "0"}] if continuing else []
                 await self._client.chat.completions.create(
                     model=self.model,
-                    messages=[
-                        {"role": "user", "content": "0"},
-                        {"role": "assistant", "content": "0"},
-                    ],
+                    messages=[{"role": "user", "content": "0"}, *turn],
                     max_tokens=1,
-                    extra_body=CONTINUE,
+                    extra_body=CONTINUE if continuing else None,
                 )
             else:
                 await self._client.completions.create(model=self.model, prompt="0", max_tokens=1)
@@ -189,7 +188,7 @@ class Endpoint:
                 "transformers serve offer both)",
             ) from None
         except openai.APIStatusError as exc:
-            if not chat or exc.status_code >= 500:
+            if not (chat and continuing) or exc.status_code >= 500:
                 raise RlscopeError(f"{self.url}{path}: HTTP {exc.status_code}: {exc}") from None
             raise RlscopeError(
                 f"{self.url}: the server cannot continue an assistant turn over {path} "
