@@ -78,6 +78,14 @@ ImportOption = Annotated[
 ]
 #: `-o` meant --option in analyze and import before it meant --output everywhere: still read
 #: there, with a warning, for one more release.
+SchedulerOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Run the token map on this Dask scheduler (tcp://HOST:8786; default: "
+        "$RLSCOPE_SCHEDULER, else in process). Workers must see the run's files at the same paths.",
+        metavar="ADDRESS",
+    ),
+]
 #: `rlscope probe --kinds` by default: every intervention (rlscope.probe.interventions.KINDS).
 PROBE_KINDS = "truncate,mistake,paraphrase,filler,bias"
 LegacyOption = Annotated[list[str] | None, typer.Option("-o", hidden=True, metavar="KEY=VALUE")]
@@ -116,6 +124,13 @@ def _markup_safe(text: object) -> str:
     from rich.markup import escape
 
     return escape(safe_text(text))
+
+
+def _mapper(address: str | None) -> Callable[..., Any] | None:
+    """The token map's engine for --scheduler (rlscope.cluster), imported only when asked."""
+    from rlscope.cluster import scheduler_mapper
+
+    return scheduler_mapper(address)
 
 
 def _fail(exc: RlscopeError) -> NoReturn:
@@ -223,6 +238,7 @@ def analyze(
     ] = None,
     config: ConfigOption = None,
     from_format: FromOption = None,
+    scheduler: SchedulerOption = None,
     option: ImportOption = None,
     legacy_option: LegacyOption = None,
     cache_dir: Annotated[
@@ -287,6 +303,7 @@ def analyze(
                 cache_dir=cache_dir,
                 progress=progress,
                 use_cache=cache,
+                mapper=_mapper(scheduler),
             )
     except RlscopeError as exc:
         _fail(exc)
@@ -713,6 +730,7 @@ def compare(
     steps: StepsOption = None,
     config: ConfigOption = None,
     from_format: FromOption = None,
+    scheduler: SchedulerOption = None,
     option: ImportOption = None,
     fail_on_regression: Annotated[
         bool,
@@ -766,6 +784,7 @@ def compare(
                 config=load_config(config),
                 from_format=from_format,
                 import_options=options,
+                mapper=_mapper(scheduler),
             )
     except RlscopeError as exc:
         _fail(exc)
@@ -824,6 +843,7 @@ def check(
         ),
     ] = None,
     from_format: FromOption = None,
+    scheduler: SchedulerOption = None,
     option: ImportOption = None,
 ) -> None:
     """Gate a run in CI: evaluate metric gates and findings, exit 1 on a breach.
@@ -864,6 +884,7 @@ def check(
         step_range = parse_steps(steps)
         spec = load_gates(gates)
         options = import_options(from_format, option)
+        mapper = _mapper(scheduler)
 
         took = [0.0]
 
@@ -877,6 +898,7 @@ def check(
                 steps=step_range,
                 from_format=from_format,
                 import_options=options,
+                mapper=mapper,
             )
             took[0] = time.perf_counter() - start
             return result
@@ -1099,6 +1121,7 @@ def report(
     steps: StepsOption = None,
     config: ConfigOption = None,
     from_format: FromOption = None,
+    scheduler: SchedulerOption = None,
     option: ImportOption = None,
     smooth: Annotated[
         int | None,
@@ -1143,6 +1166,7 @@ def report(
                 from_format=from_format,
                 import_options=options,
                 smooth=smooth,
+                mapper=_mapper(scheduler),
             )
     except RlscopeError as exc:
         _fail(exc)

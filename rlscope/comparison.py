@@ -17,6 +17,7 @@ from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.report import Report, band_distance, json_safe
 from rlscope.spec import severity_rank
+from rlscope.tokenscan import Mapper
 from rlscope.windows import FINAL_FRACTION, MIN_STEPS
 
 ALIGNS = ("step", "progress")
@@ -317,9 +318,10 @@ def compare(
     from_format: str | None = None,
     import_options: Mapping[str, Any] | None = None,
     catalog: Catalog | None = None,
+    mapper: Mapper | None = None,
 ) -> Comparison:
     """Analyse each run (read-only) and compare them against the first. With `from_format`,
-    each path is a trainer's output, imported as `analyze` does."""
+    each path is a trainer's output, imported as `analyze` does; `mapper` as `analyze`'s."""
     from rlscope.analysis import analyze_each
 
     if len(paths) < 2:
@@ -332,6 +334,7 @@ def compare(
         from_format=from_format,
         import_options=import_options,
         catalog=catalog,
+        mapper=mapper,
     )
     return compare_reports(reports, align=align, catalog=catalog)
 

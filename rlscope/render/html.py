@@ -25,6 +25,7 @@ from rlscope.render.svg import escape as _e
 from rlscope.render.terminal import format_value, summary_line
 from rlscope.report import PART_HEADINGS, MetricResult, Report, policy_first, run_provenance
 from rlscope.spec import LAYERS, Finding
+from rlscope.tokenscan import Mapper
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 SEVERITY_COLORS = {"critical": "#c62828", "warn": "#ef6c00", "info": "#0277bd"}
@@ -809,6 +810,7 @@ def write_report(
     from_format: str | None = None,
     import_options: Mapping[str, Any] | None = None,
     smooth: int | None = None,
+    mapper: Mapper | None = None,
 ) -> Path:
     """Analyse each run and write the HTML report to `output` (never inside a run directory).
     With `from_format`, each path is a trainer's output, imported as `analyze` does; `smooth`
@@ -841,6 +843,7 @@ def write_report(
         config=config,
         from_format=from_format,
         import_options=import_options,
+        mapper=mapper,
     )
     data = [  # from the imported run, if any
         plot_data(r.run.path, steps=steps, examples={i for f in r.findings for i in f.rollout_ids})
