@@ -13,7 +13,8 @@ from rlscope.tokenscan import Mapper, TokenFile
 SCHEDULER_ENV = "RLSCOPE_SCHEDULER"
 #: The optional extra that brings Dask's distributed scheduler client.
 EXTRA = "scale"
-#: Times the scheduler re-runs a chunk whose worker died (Dask `retries`) before it fails.
+#: Times a chunk that raised is run again (Dask `retries`); a chunk whose worker died is
+#: rescheduled by Dask itself (`distributed.scheduler.allowed-failures`, 3 by default).
 RETRIES = 2
 #: Seconds to reach the scheduler.
 CONNECT_TIMEOUT = 20
@@ -62,8 +63,8 @@ def scheduler_mapper(address: str | None) -> Mapper | None:
                 raise RlscopeError(
                     f"--scheduler {address}: the token map failed on the cluster "
                     f"({type(exc).__name__}: {exc}) for the files {shown or '(unknown)'}",
-                    hint=f"a worker that died was retried {RETRIES} times; check the workers' "
-                    "logs and that they see these files at the same paths",
+                    hint="check the workers' logs (a worker that died repeatedly ends as "
+                    "KilledWorker) and that they see these files at the same paths",
                 ) from None
 
     return mapper
