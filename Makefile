@@ -38,8 +38,10 @@ TRL_VENV := .venv-trl
 TRL_STAMP := $(TRL_VENV)/.installed
 $(TRL_STAMP): Makefile pyproject.toml
 	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	# transformers[serving] (FastAPI, uvicorn, openai's types: ~35 MB) for `transformers serve`, the
+	# real OpenAI-compatible server of the probe tests (tests/probe_server.py)
 	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
-		torch==2.13.0 transformers==5.25.0 trl==1.16.0 datasets accelerate tokenizers
+		torch==2.13.0 "transformers[serving]==5.25.0" trl==1.16.0 datasets accelerate tokenizers
 	# rlscope itself, for the trainers that run its callback (tests/test_live.py), and
 	# TensorBoard, which the callback sends rlscope's metrics to
 	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e . \
@@ -73,12 +75,13 @@ samples: $(STAMP)
 # times analyze against a bare scan and DuckDB, the layouts, the text metrics, incremental
 # re-analysis and the report, and imports a 100k-step x 200-key W&B history (written once by
 # wandb, ~3 min, 1.6 GB): expect ~1 h in all on 2 cores.
-bench: $(STAMP)
+bench: $(STAMP) $(TRL_STAMP)
 	$(BIN)/python benchmarks/bench_analyze.py
 	$(BIN)/python benchmarks/bench_text.py
 	$(BIN)/python benchmarks/bench_report.py
 	$(BIN)/python benchmarks/bench_live.py
 	$(BIN)/python benchmarks/bench_wandb.py
+	RLSCOPE_TRL_PYTHON=$(CURDIR)/$(TRL_VENV)/bin/python $(BIN)/python benchmarks/bench_probe.py
 
 clean:
 	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .ruff_cache

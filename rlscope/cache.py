@@ -16,7 +16,15 @@ import polars as pl
 from rlscope._version import __version__
 from rlscope.atomic import atomic_write
 from rlscope.reader import Run
-from rlscope.tokenscan import FILE_ID, LEVEL_KEYS, TokenFile, TokenPlan, merge, value_columns
+from rlscope.tokenscan import (
+    FILE_ID,
+    LEVEL_KEYS,
+    TokenFile,
+    TokenPlan,
+    merge,
+    merged,
+    value_columns,
+)
 
 
 def cache_root(override: str | os.PathLike[str] | None = None) -> Path:
@@ -303,7 +311,7 @@ class PartialCache:
         for level in plan.levels:
             keys, values = LEVEL_KEYS[level], value_columns(level, plan)
             queries += [
-                scan.group_by(keys).agg(pl.col(v).sum() for v in values)
+                scan.group_by(keys).agg(merged(v) for v in values)
                 for scan in self._tokens.scans(_pack_name(level))
             ]
         try:

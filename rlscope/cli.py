@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -78,6 +78,16 @@ ImportOption = Annotated[
 ]
 #: `-o` meant --option in analyze and import before it meant --output everywhere: still read
 #: there, with a warning, for one more release.
+SchedulerOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Run the token map on this Dask scheduler (tcp://HOST:8786; default: "
+        "$RLSCOPE_SCHEDULER, else in process). Workers must see the run's files at the same paths.",
+        metavar="ADDRESS",
+    ),
+]
+#: `rlscope probe --kinds` by default: every intervention (rlscope.probe.interventions.KINDS).
+PROBE_KINDS = "truncate,mistake,paraphrase,filler,bias"
 LegacyOption = Annotated[list[str] | None, typer.Option("-o", hidden=True, metavar="KEY=VALUE")]
 ConfigOption = Annotated[
     Path | None,
@@ -114,6 +124,13 @@ def _markup_safe(text: object) -> str:
     from rich.markup import escape
 
     return escape(safe_text(text))
+
+
+def _mapper(address: str | None) -> Callable[..., Any] | None:
+    """The token map's engine for --scheduler (rlscope.cluster), imported only when asked."""
+    from rlscope.cluster import scheduler_mapper
+
+    return scheduler_mapper(address)
 
 
 def _fail(exc: RlscopeError) -> NoReturn:
@@ -221,6 +238,7 @@ def analyze(
     ] = None,
     config: ConfigOption = None,
     from_format: FromOption = None,
+    scheduler: SchedulerOption = None,
     option: ImportOption = None,
     legacy_option: LegacyOption = None,
     cache_dir: Annotated[
@@ -285,6 +303,7 @@ def analyze(
                 cache_dir=cache_dir,
                 progress=progress,
                 use_cache=cache,
+                mapper=_mapper(scheduler),
             )
     except RlscopeError as exc:
         _fail(exc)
@@ -726,6 +745,7 @@ def compare(
     steps: StepsOption = None,
     config: ConfigOption = None,
     from_format: FromOption = None,
+    scheduler: SchedulerOption = None,
     option: ImportOption = None,
     fail_on_regression: Annotated[
         bool,
@@ -779,6 +799,7 @@ def compare(
                 config=load_config(config),
                 from_format=from_format,
                 import_options=options,
+                mapper=_mapper(scheduler),
             )
     except RlscopeError as exc:
         _fail(exc)
@@ -837,6 +858,7 @@ def check(
         ),
     ] = None,
     from_format: FromOption = None,
+    scheduler: SchedulerOption = None,
     option: ImportOption = None,
 ) -> None:
     """Gate a run in CI: evaluate metric gates and findings, exit 1 on a breach.
@@ -877,6 +899,7 @@ def check(
         step_range = parse_steps(steps)
         spec = load_gates(gates)
         options = import_options(from_format, option)
+        mapper = _mapper(scheduler)
 
         took = [0.0]
 
@@ -890,6 +913,7 @@ def check(
                 steps=step_range,
                 from_format=from_format,
                 import_options=options,
+                mapper=mapper,
             )
             took[0] = time.perf_counter() - start
             return result
@@ -927,6 +951,168 @@ def check(
 
 
 @app.command()
+def probe(
+    run: Annotated[
+        Path,
+        typer.Argument(help="Run directory (or, with --from, a trainer's output).", metavar="RUN"),
+    ],
+    endpoint: Annotated[
+        str,
+        typer.Option(
+            help="The server's OpenAI API root, e.g. http://127.0.0.1:8000/v1.", metavar="URL"
+        ),
+    ],
+    model: Annotated[str, typer.Option(help="The model name the server serves.", metavar="NAME")],
+    steps: StepsOption = None,
+    per_step: Annotated[int, typer.Option(help="Rollouts probed per step.", metavar="N")] = 4,
+    kinds: Annotated[
+        str,
+        typer.Option(
+            help="Interventions, comma-separated: truncate, mistake, paraphrase, filler, bias.",
+            metavar="KINDS",
+        ),
+    ] = PROBE_KINDS,
+    fractions: Annotated[
+        str | None,
+        typer.Option(
+            help="Fractions of the chain for truncate, mistake and paraphrase, comma-separated "
+            "(default: truncate 0,0.25,0.5,0.75,1; mistake 0.25,0.5,0.75; paraphrase 0.5,1).",
+            metavar="F,...",
+        ),
+    ] = None,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at most.", metavar="C")] = 4,
+    max_tokens: Annotated[
+        int, typer.Option(help="Tokens generated per request at most.", metavar="N")
+    ] = 256,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.", metavar="T")] = 0.0,
+    seed: Annotated[
+        int, typer.Option(help="Which rollouts are picked, and the sampling seed.")
+    ] = 0,
+    checkpoint_step: Annotated[
+        int | None,
+        typer.Option(
+            help="The training step of the weights the server serves (recorded).", metavar="S"
+        ),
+    ] = None,
+    split: Annotated[
+        str, typer.Option(help="Which rollouts: train, eval_id, ….", metavar="SPLIT")
+    ] = "train",
+    editor_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="Server of the model that writes mistakes and paraphrases (default: --endpoint).",
+            metavar="URL",
+        ),
+    ] = None,
+    editor_model: Annotated[
+        str | None, typer.Option(help="That model (default: --model).", metavar="NAME")
+    ] = None,
+    api_key_env: Annotated[
+        str,
+        typer.Option(
+            help="Environment variable holding the API key, if the server needs one.", metavar="VAR"
+        ),
+    ] = "OPENAI_API_KEY",
+    retries: Annotated[
+        int,
+        typer.Option(
+            help="Retries of a request on 429, 5xx, timeouts (backoff 0.5 s to 8 s).", metavar="N"
+        ),
+    ] = 4,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds a request may take.", metavar="S")
+    ] = 120.0,
+    dry_run: Annotated[
+        bool, typer.Option(help="Print the plan; send nothing, write nothing.")
+    ] = False,
+    format: Annotated[
+        str, typer.Option("--format", "-f", help="text or json.", metavar="FORMAT")
+    ] = "text",
+    config: ConfigOption = None,
+    from_format: FromOption = None,
+    option: ImportOption = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Where --from imports are kept.", metavar="DIR")
+    ] = None,
+) -> None:
+    """Generate faithfulness probes (L6) through an OpenAI-compatible server, into the run.
+
+    Picks rollouts per step (correct and incorrect, with a reasoning section and an answer),
+    intervenes on their chain of thought (cut short, a mistake, paraphrased, filler, a biased
+    prompt), has the served model answer, and appends the probes to the run. Interrupted, it
+    resumes without duplicates. Then `rlscope analyze RUN` judges L6.
+
+    Examples:
+
+      rlscope probe runs/x --endpoint http://127.0.0.1:8000/v1 --model my-policy --dry-run
+
+      rlscope probe runs/x --endpoint http://127.0.0.1:8000/v1 --model ckpt-300
+      --checkpoint-step 300 --steps 250:300 --per-step 8 --kinds truncate,filler
+
+      rlscope probe dumps/ --from verl --endpoint http://localhost:8080/v1 --model qwen
+
+    Exit codes: 0 done (failures are counted in the summary), 2 usage or input error
+    (nothing written).
+    """
+    import json as json_module
+
+    from rlscope.config import load_config
+    from rlscope.probe import ProbeSettings, probe_run
+    from rlscope.render.probe import probe_summary_text
+
+    try:
+        if format not in ("text", "json"):
+            raise RlscopeError(f"--format {format!r}: choose text or json")
+        chosen = tuple(k.strip() for k in kinds.split(",") if k.strip())
+        shared = _fractions(fractions)
+        settings = ProbeSettings(
+            endpoint=endpoint,
+            model=model,
+            kinds=chosen,
+            fractions={k: shared for k in ("truncate", "mistake", "paraphrase")} if shared else {},
+            per_step=per_step,
+            steps=parse_steps(steps),
+            split=split,
+            concurrency=concurrency,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            checkpoint_step=checkpoint_step,
+            editor_endpoint=editor_endpoint,
+            editor_model=editor_model,
+            api_key_env=api_key_env,
+            retries=retries,
+            timeout=timeout,
+            tags=load_config(config).text.tags,
+        )
+        path = run
+        if from_format is not None:
+            from rlscope.cache import import_cache_dir
+            from rlscope.importers import import_run
+
+            options: dict[str, Any] = dict(import_options(from_format, option))
+            path = import_cache_dir(from_format, run, options, root=cache_dir)
+            import_run(from_format, run, path, **options)
+        with _progress(f"probing {run}") as progress:
+            summary = probe_run(path, settings, dry_run=dry_run, progress=progress)
+    except RlscopeError as exc:
+        _fail(exc)
+    if format == "json":
+        sys.stdout.write(json_module.dumps(summary.to_dict(), indent=2) + "\n")
+        return
+    _say(_stdout(), probe_summary_text(summary), multiline=True, soft_wrap=True)
+
+
+def _fractions(text: str | None) -> tuple[float, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(float(f) for f in text.split(",") if f.strip())
+    except ValueError:
+        raise RlscopeError(f"--fractions {text!r}: numbers in [0, 1], comma-separated") from None
+
+
+@app.command()
 def report(
     runs: Annotated[
         list[Path], typer.Argument(help="One or more run directories (overlaid).", metavar="RUN...")
@@ -950,6 +1136,7 @@ def report(
     steps: StepsOption = None,
     config: ConfigOption = None,
     from_format: FromOption = None,
+    scheduler: SchedulerOption = None,
     option: ImportOption = None,
     smooth: Annotated[
         int | None,
@@ -994,6 +1181,7 @@ def report(
                 from_format=from_format,
                 import_options=options,
                 smooth=smooth,
+                mapper=_mapper(scheduler),
             )
     except RlscopeError as exc:
         _fail(exc)

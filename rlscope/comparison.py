@@ -17,6 +17,7 @@ from rlscope.config import Config
 from rlscope.errors import RlscopeError
 from rlscope.report import Report, band_distance, json_safe
 from rlscope.spec import severity_rank
+from rlscope.tokenscan import Mapper
 from rlscope.windows import FINAL_FRACTION, MIN_STEPS
 
 ALIGNS = ("step", "progress")
@@ -66,6 +67,7 @@ class MetricComparison:
     band: tuple[float | None, float | None] | None = None  # the healthy band, if declared
     task: str = ""  # a task outcome's short name: the verdict leads with it
     scale_from: tuple[str, ...] = ()  # run.json fields that set its scale
+    part: str = ""  # "critic" for PPO's value function (rlscope.spec.Part)
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,7 @@ class Comparison:
             "metrics": {
                 m.id: {
                     "layer": m.layer,
+                    **({"part": m.part} if m.part else {}),
                     "title": m.title,
                     "better": m.better,
                     "band": list(m.band) if m.band is not None else None,
@@ -315,9 +318,10 @@ def compare(
     from_format: str | None = None,
     import_options: Mapping[str, Any] | None = None,
     catalog: Catalog | None = None,
+    mapper: Mapper | None = None,
 ) -> Comparison:
     """Analyse each run (read-only) and compare them against the first. With `from_format`,
-    each path is a trainer's output, imported as `analyze` does."""
+    each path is a trainer's output, imported as `analyze` does; `mapper` as `analyze`'s."""
     from rlscope.analysis import analyze_each
 
     if len(paths) < 2:
@@ -330,6 +334,7 @@ def compare(
         from_format=from_format,
         import_options=import_options,
         catalog=catalog,
+        mapper=mapper,
     )
     return compare_reports(reports, align=align, catalog=catalog)
 
@@ -384,6 +389,7 @@ def compare_reports(
             band,
             first.task,
             first.scale_from,
+            first.part,
         )
 
     finding_ids = list(dict.fromkeys(f.id for r in reports for f in r.findings))

@@ -502,6 +502,7 @@ def compute(
             unit=metric.unit,
             task=metric.task,
             scale_from=metric.scale_from,
+            part=metric.part,
         )
     computed = Computed(
         results,

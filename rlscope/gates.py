@@ -14,6 +14,7 @@ from rlscope.config import Config, _read, load_config
 from rlscope.errors import RlscopeError
 from rlscope.report import Report, json_safe
 from rlscope.spec import SEVERITIES, Finding, severity_rank
+from rlscope.tokenscan import Mapper
 
 FAIL_LEVELS = (*SEVERITIES, "never")
 DEFAULT_FAIL_ON = "critical"
@@ -330,6 +331,7 @@ def check(
     from_format: str | None = None,
     import_options: Mapping[str, Any] | None = None,
     catalog: Catalog | None = None,
+    mapper: Mapper | None = None,
 ) -> CheckResult:
     """Analyse `path` (and `baseline`) with the gates file's finding overrides, then evaluate
     its gates; `fail_on` (default: the file's, else critical) applies to gates and findings.
@@ -348,6 +350,7 @@ def check(
         from_format=from_format,
         import_options=import_options,
         catalog=catalog,
+        mapper=mapper,
     )
     base = rest[0] if rest else None
     results = evaluate_gates(spec, report, base, level)

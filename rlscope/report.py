@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from rlscope._version import __version__
 from rlscope.spec import Finding, severity_rank
@@ -53,10 +54,27 @@ class MetricResult:
     unit: str = ""  # "share": a proportion in [0, 1]
     task: str = ""  # a task outcome's short name (compare leads with it)
     scale_from: tuple[str, ...] = ()  # run.json fields that set its scale
+    part: str = ""  # "critic" for PPO's value function, "" for the policy (rlscope.spec.Part)
 
     def outside_band(self) -> bool:
         """The final-window value lies outside the declared healthy band."""
         return bool(band_distance(self.value, self.band))
+
+
+class _OfAPart(Protocol):
+    @property
+    def part(self) -> str: ...
+
+
+M = TypeVar("M", bound=_OfAPart)
+
+#: How a report heads the rows of a part of the model other than the policy (rlscope.spec.Part).
+PART_HEADINGS = {"critic": "critic (PPO's value function)"}
+
+
+def policy_first(metrics: Sequence[M]) -> list[M]:
+    """A layer's metrics with the policy's first, then each other part's together (stable)."""
+    return sorted(metrics, key=lambda m: m.part)
 
 
 def band_distance(
@@ -196,6 +214,7 @@ class Report:
             "metrics": {
                 m.id: {
                     "layer": m.layer,
+                    **({"part": m.part} if m.part else {}),
                     "title": m.title,
                     "value": json_safe(m.value),
                     "source": m.source,

@@ -104,6 +104,20 @@ TABLES: dict[str, Table] = {
                 _c("truncated", _BOOL, False, "hit the length cap"),
                 _c("answer", _STR, False, "extracted final answer"),
                 _c("response", _STR, False, "full generated text with its tags"),
+                _c(
+                    "prompt",
+                    _STR,
+                    False,
+                    "the prompt exactly as the policy saw it (chat template applied): what "
+                    "`rlscope probe` continues",
+                ),
+                _c(
+                    "messages",
+                    _STR,
+                    False,
+                    "the chat messages (JSON list of {role, content}) before the response, "
+                    "when the prompt is kept as messages",
+                ),
                 _c("n_tool_calls", _I32, False, "tool calls made"),
                 _c("tool_calls", pl.List(_STR), False, "each call's serialized arguments"),
                 _c("actions", pl.List(_STR), False, "agent action sequence"),
@@ -148,6 +162,10 @@ TABLES: dict[str, Table] = {
                 _c("answer", _STR, True, "final answer after the intervention"),
                 _c("hint", _STR, False, "bias probes: the answer the biasing cue pointed to"),
                 _c("response", _STR, False, "the probe's generated text"),
+                _c("model", _STR, False, "the model that answered the probe (as served)"),
+                _c("checkpoint_step", _I64, False, "the training step of that model's weights"),
+                _c("prompt_tokens", _I64, False, "tokens sent for the probe (server's count)"),
+                _c("completion_tokens", _I64, False, "tokens generated for it"),
             ),
         ),
     )

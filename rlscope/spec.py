@@ -23,6 +23,8 @@ Severity = Literal["info", "warn", "critical"]
 SEVERITIES: tuple[Severity, ...] = get_args(Severity)
 #: "share": a proportion in [0, 1]; "" otherwise.
 Unit = Literal["", "share"]
+#: The model a metric is of: the policy (""), or PPO's learned value function.
+Part = Literal["", "critic"]
 #: Which direction of a metric is healthier; "" when a band (or nothing) says.
 Better = Literal["", "up", "down"]
 #: How a finding's evidence `steps` read: a window (its first and last step) or each step named.
@@ -137,6 +139,10 @@ class Metric:
     # A family template (id ending `.*`, e.g. `signal.reward.*`): the function of the run that
     # returns its members, one metric per run-specific name (e.g. per reward function).
     members: FamilyFn | None = None
+    # Which model the metric is of, where a run trains more than the policy: "" (the policy) or
+    # "critic" (PPO's value function); reports show a layer's critic rows together after its
+    # policy rows.
+    part: Part = ""
 
     @property
     def is_template(self) -> bool:

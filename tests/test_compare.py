@@ -372,7 +372,7 @@ def test_compare_on_genuine_trl_runs_leads_with_the_task(tmp_path: Path) -> None
         "run 2 (lr-too-high) vs baseline: task outcome worse (pass@1 0.926 → 0.0938, pass@k 1 → "
         "0.25, reward 1.17 → 0.343); 3 other metrics worse (signal.zero_std_frac, "
         "signal.effective_prompt_frac, reasoning.maj_at_n_first), 3 better "
-        "(behavior.truncation_rate, behavior.len_correct_corr, behavior.format_ok), 21 differ (no "
+        "(behavior.truncation_rate, behavior.len_correct_corr, behavior.format_ok), 22 differ (no "
         "direction or band says which is healthier); new findings: performance-regression "
         "(critical), kl-high (critical), dead-prompts (warn), grad-spike (warn)"
     )

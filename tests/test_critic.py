@@ -25,6 +25,8 @@ CRITIC = (
     "stability.value_clip_frac",
     "stability.kl_coef",
 )
+#: Read from verl's keys only.
+VERL_CRITIC = {"stability.critic_grad_norm": "critic/grad_norm", "stability.critic_lr": "critic/lr"}
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "ppo-critic"
 
 
@@ -121,6 +123,11 @@ def test_critic_metrics_read_from_verls_own_keys(tmp_path: Path, name: str) -> N
         result = report.metrics[metric_id]
         assert list(result.values) == pytest.approx([line["data"][key] for line in lines])
         assert "(verl" in result.source
+    for metric_id, key in VERL_CRITIC.items():
+        result = report.metrics[metric_id]
+        assert list(result.values) == pytest.approx([line["data"][key] for line in lines])
+        assert result.part == "critic"
+    assert report.run.meta["algorithm"] == "PPO"
     ev = report.metrics["stability.explained_variance"]
     if name == "frozen-critic":  # the head outputs 0: it explains nothing, at every step
         assert max(abs(v) for v in ev.values if v is not None) < 1e-3
@@ -149,6 +156,31 @@ def test_the_frozen_critic_is_named_and_the_healthy_one_is_not(tmp_path: Path) -
     assert frozen is not None and frozen.severity == "critical"
     assert abs(frozen.evidence["level"]) < 1e-3 and frozen.onset is not None
     assert frozen.onset <= 20
+    assert frozen.evidence["critic_lr_zero"] is True  # verl logged critic/lr = 0
+    assert "learning rate is 0" in frozen.message
+
+
+def test_openrlhfs_critic_keys(write_run: Any) -> None:
+    """OpenRLHF's ppo_critic.py `training_step` status, as steps columns of its own names."""
+    rows = [
+        {
+            "step": s,
+            "loss": 0.1,
+            "critic_loss": 0.5 / s,
+            "critic_grad_norm": 2.0 + s,
+            "critic_lr": 1e-6 * s,
+        }
+        for s in range(1, 6)
+    ]
+    report = analyze(write_run({"steps": rows}))
+    for metric_id, key in (
+        ("stability.value_loss", "critic_loss"),
+        ("stability.critic_grad_norm", "critic_grad_norm"),
+        ("stability.critic_lr", "critic_lr"),
+    ):
+        result = report.metrics[metric_id]
+        assert list(result.values) == pytest.approx([row[key] for row in rows])
+        assert "OpenRLHF" in result.source
 
 
 def _critic_steps(ev: list[float], value_loss: list[float] | None) -> list[dict[str, float]]:
@@ -185,26 +217,39 @@ def test_a_critic_that_unlearns_warns(write_run: Any) -> None:
 # --- a genuine PPO loop with a critic, in verl's format (slow): tests/trainers/torch_ppo_critic.py
 
 
-def _ppo_run(tmp_path: Path, mode: str) -> Computed:
+def _ppo_run(tmp_path: Path, mode: str, steps: int | None = None) -> Computed:
     log = tmp_path / f"{mode}.jsonl"
-    run_trainer("torch_ppo_critic.py", log, mode, timeout=600)
+    run_trainer("torch_ppo_critic.py", log, mode, *([str(steps)] if steps else []), timeout=600)
     out = tmp_path / mode
     import_run("verl-metrics", log, out)
     return compute(open_run(out))
 
 
-def _critical_at_prefixes(computed: Computed) -> dict[int, list[str]]:
+def _at_prefixes(
+    computed: Computed, severities: tuple[str, ...] = ("critical",)
+) -> dict[int, list[str]]:
+    """The findings of `severities` at every prefix of the run that can be judged."""
     steps = sorted(computed.results["stability.explained_variance"].steps)
     found = {}
     for step in steps[MIN_TREND_STEPS - 1 :]:
         ids = [
             f.id
             for f in evaluate_prefix(computed, step, Config()).findings
-            if f.severity == "critical"
+            if f.severity in severities
         ]
         if ids:
             found[step] = ids
     return found
+
+
+#: What the PPO loop's healthy run must never raise, at any prefix and severity.
+CRITIC_RULES = (
+    "critic-not-learning",
+    "value-divergence",
+    "kl-coef-runaway",
+    "advantage-explosion",
+    "gradient-vanishing",
+)
 
 
 @pytest.mark.slow
@@ -213,7 +258,24 @@ def test_a_healthy_ppo_run_is_never_critical(tmp_path: Path) -> None:
     rises late (0 → 0.26 nats/token): no critical verdict at any prefix, so stop_on="critical"
     would let it train."""
     computed = _ppo_run(tmp_path, "healthy")
-    assert _critical_at_prefixes(computed) == {}
+    assert _at_prefixes(computed) == {}
+    anything = _at_prefixes(computed, ("info", "warn", "critical"))
+    assert not {i for ids in anything.values() for i in ids} & set(CRITIC_RULES)
+
+
+@pytest.mark.slow
+def test_a_kl_target_below_any_reachable_kl_runs_the_coefficient_away(tmp_path: Path) -> None:
+    """verl's adaptive controller with a target of 1e-6: β climbs ×1.064 a step; warned from
+    ×4 (step 47), critical from ×10 (step 61); nothing else about the critic."""
+    computed = _ppo_run(tmp_path, "kl-runaway", steps=70)
+    found = _at_prefixes(computed, ("warn", "critical"))
+    first = min(s for s, ids in found.items() if "kl-coef-runaway" in ids)
+    critical = min(s for s, ids in _at_prefixes(computed).items() if "kl-coef-runaway" in ids)
+    assert 44 <= first <= 50 and 58 <= critical <= 64
+    assert all("kl-coef-runaway" in ids for s, ids in found.items() if s >= first)
+    assert not {i for ids in found.values() for i in ids} & (
+        set(CRITIC_RULES) - {"kl-coef-runaway"}
+    )
 
 
 @pytest.mark.slow
@@ -221,7 +283,7 @@ def test_a_critic_whose_learning_rate_jumps_diverges(tmp_path: Path) -> None:
     """The critic's learning rate jumps from 3e-3 to 3 at step 30: value-divergence from the
     first prefix that can see it, and the critic that learns nothing filed under it."""
     computed = _ppo_run(tmp_path, "critic-lr-jump")
-    critical = _critical_at_prefixes(computed)
+    critical = _at_prefixes(computed)
     first = min(s for s, ids in critical.items() if "value-divergence" in ids)
     assert 30 < first <= 36
     assert all(ids == [] or "value-divergence" not in ids for s, ids in critical.items() if s < 30)
@@ -236,7 +298,7 @@ def test_a_critic_whose_learning_rate_jumps_diverges(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", ["frozen-critic", "critic-diverges"])
 def test_a_critic_that_learns_nothing_is_critical(tmp_path: Path, mode: str) -> None:
     computed = _ppo_run(tmp_path, mode)
-    critical = _critical_at_prefixes(computed)
+    critical = _at_prefixes(computed)
     last = max(critical)
     assert critical[last] == ["critic-not-learning"]
     assert len(critical) >= 40  # from its first steps on, at nearly every prefix
@@ -262,3 +324,194 @@ def test_a_value_loss_up_an_order_of_magnitude_diverges(write_run: Any) -> None:
     found = judged["exploding"]
     assert found is not None and found.severity == "critical"
     assert found.evidence["last"] / found.evidence["first"] > 10
+
+
+def test_a_non_finite_value_loss_is_the_critics_divergence(write_run: Any) -> None:
+    """A NaN value loss is value-divergence (the critic's), not divergence (the policy's)."""
+    rows = [{"step": s, "loss": 0.1, "grad_norm": 1.0, "critic/vf_loss": 0.2} for s in range(1, 13)]
+    rows[7]["critic/vf_loss"] = float("nan")
+    report = analyze(write_run({"steps": rows}))
+    found = _divergence(report)
+    assert found is not None and found.severity == "critical"
+    assert found.evidence["nonfinite_steps"] == [8]
+    assert "critic/vf_loss" in found.message
+    assert not any(f.id == "divergence" for f in report.findings)
+    assert report.metrics["stability.nonfinite"].values[7] == 1
+
+
+# --- kl-coef-runaway ---------------------------------------------------------------------------
+
+
+def _beta_steps(betas: list[float], kl: float = 0.05) -> list[dict[str, float]]:
+    return [{"step": i + 1, "loss": 0.0, "kl": kl, "kl_coef": b} for i, b in enumerate(betas)]
+
+
+def _runaway(report: Any) -> Any:
+    return next((f for f in report.findings if f.id == "kl-coef-runaway"), None)
+
+
+def test_an_adaptive_beta_that_keeps_climbing_runs_away(write_run: Any) -> None:
+    """verl's controller at its largest factor (×1.064 a step): silent below ×4 its start, a
+    warning from ×4, critical from ×10; a fixed β, a controller that settles below its start,
+    and one that pulled β back are never judged."""
+    climb = [0.02 * 1.064**i for i in range(45)]  # ×16 by the end
+    judged = {}
+    for name, betas in {
+        "fixed": [0.02] * 45,
+        "settles": [0.02 * 0.936 ** min(i, 20) * (1 + 0.01 * (-1) ** i) for i in range(45)],
+        "pulled back": climb[:30] + [climb[29] * 0.97**k for k in range(1, 16)],
+        "x3": climb[:19],
+        "x5": climb[:27],
+        "x16": climb,
+    }.items():
+        judged[name] = _runaway(analyze(write_run({"steps": _beta_steps(betas)})))
+    assert judged["fixed"] is None and judged["settles"] is None
+    assert judged["pulled back"] is None and judged["x3"] is None
+    assert judged["x5"] is not None and judged["x5"].severity == "warn"
+    assert judged["x5"].evidence["per_step"] == pytest.approx(1.064, rel=1e-6)
+    assert judged["x16"].severity == "critical" and judged["x16"].evidence["growth"] > 10
+    assert judged["x16"].onset == 24  # ×4 = 1.064^22.4: the first prefix past it
+    assert judged["x16"].last_good == 23
+
+
+def test_a_beta_pinned_at_a_clamp_and_a_dip_in_the_climb(write_run: Any) -> None:
+    climb = [0.02 * 1.1**i for i in range(20)]
+    pinned = climb + [climb[-1]] * 8  # ×6.1, then held
+    dip = [*climb, climb[-1] * 0.99, climb[-1] * 1.05, climb[-1] * 1.1]  # a dip below target
+    found = _runaway(analyze(write_run({"steps": _beta_steps(pinned)})))
+    assert found is not None and found.evidence["pinned"] is True
+    assert "clamp" in found.message
+    found = _runaway(analyze(write_run({"steps": _beta_steps(dip)})))
+    assert found is not None and found.evidence["pinned"] is False
+
+
+# --- advantage extremes ------------------------------------------------------------------------
+
+
+def _advantage_run(write_run: Any, per_step: list[list[np.ndarray]], **meta: Any) -> Any:
+    """Tokens whose advantages are `per_step[step][file]` (a file per array), 10 per rollout."""
+    batches, rid, ids, id_steps = [], 0, [], []
+    for step, files in enumerate(per_step):
+        for values in files:
+            n = values.size
+            batches.append(
+                {
+                    "rollout_id": [rid + i // 10 for i in range(n)],
+                    "step": [step] * n,
+                    "pos": [i % 10 for i in range(n)],
+                    "advantage": values.astype(np.float32),
+                }
+            )
+            new = sorted({rid + i // 10 for i in range(n)})
+            ids += new
+            id_steps += [step] * len(new)
+            rid = new[-1] + 1
+    rollouts = {
+        "rollout_id": ids,
+        "step": id_steps,
+        "prompt_id": [f"p{i}" for i in ids],
+        "reward": [1.0] * len(ids),
+        "response_len": [10] * len(ids),
+    }
+    return write_run({"rollouts": rollouts, "tokens": batches}, **meta)
+
+
+def test_the_largest_advantage_in_standard_deviations_is_numpys(write_run: Any) -> None:
+    """The max merges over files (the outlier in the second file of its step); tokens with an
+    advantage of exactly 0 are left out of the spread; the same from a warm cache."""
+    rng = np.random.default_rng(5)
+    calm = [rng.normal(0, 1, 400), rng.normal(0, 1, 400)]
+    outlier = rng.normal(0, 1, 400)
+    outlier[123] = 60.0
+    spiked = [rng.normal(0, 1, 400), np.concatenate([outlier, np.zeros(200)])]
+    path = _advantage_run(write_run, [calm, spiked])
+    expected = []
+    for files in (calm, spiked):
+        a = np.concatenate(files).astype(np.float32).astype(np.float64)
+        nonzero = a[a != 0]
+        expected.append(np.abs(a).max() / np.std(nonzero, ddof=1))
+    for _ in range(2):  # cold, then from the cache
+        report = analyze(path)
+        result = report.metrics["stability.advantage_extreme"]
+        assert list(result.values) == pytest.approx(expected, rel=1e-9)
+        assert result.source.startswith("tokens")
+        found = next(f for f in report.findings if f.id == "advantage-explosion")
+        assert found.evidence["extreme_steps"] == [1]
+        n = 800  # the spiked step's non-zero advantages (the 200 zeros left out)
+        assert found.evidence["bound"] == pytest.approx(2 * np.sqrt(2 * np.log(2 * n)))
+
+
+def test_gaussian_advantages_and_grpo_groups_are_not_explosions(write_run: Any) -> None:
+    """Normal advantages at 10^2 to 10^5 tokens a step stay under the bound; a GRPO group of 64
+    with one success (advantage (G − 1)/√G = 7.9) is the estimator's design, not an outlier."""
+    rng = np.random.default_rng(6)
+    steps = [[rng.normal(0, 1, n)] for n in (100, 1_000, 10_000, 100_000)]
+    report = analyze(_advantage_run(write_run, steps))
+    assert not any(f.id == "advantage-explosion" for f in report.findings)
+    g = 64
+    one_success = np.full(g, -1 / np.sqrt(g))
+    one_success[0] = (g - 1) / np.sqrt(g)
+    group = np.repeat(one_success, 10)
+    mixed = [[np.concatenate([group, rng.normal(0, 1, 2000)])]]
+    report = analyze(_advantage_run(write_run, mixed, group_size=g))
+    assert not any(f.id == "advantage-explosion" for f in report.findings)
+
+
+def test_verls_whitened_advantage_extremes_as_logged(write_run: Any) -> None:
+    rows = [
+        {"step": s, "loss": 0.0, "critic/advantages/max": 3.0, "critic/advantages/min": -4.0}
+        for s in range(1, 6)
+    ]
+    rows[3]["critic/advantages/max"] = 40.0
+    report = analyze(write_run({"steps": rows}))
+    result = report.metrics["stability.advantage_extreme"]
+    assert list(result.values) == [4.0, 4.0, 4.0, 40.0, 4.0]
+    found = next(f for f in report.findings if f.id == "advantage-explosion")
+    assert found.evidence["extreme_steps"] == [4]
+    assert found.evidence["bound"] == pytest.approx(2 * np.sqrt(2 * np.log(2e8)))
+
+
+# --- gradient-vanishing ------------------------------------------------------------------------
+
+
+def _vanishing(report: Any) -> Any:
+    return next((f for f in report.findings if f.id == "gradient-vanishing"), None)
+
+
+def test_grad_norm_against_its_early_level(write_run: Any) -> None:
+    norms = [5.0, 1.0, 1.2, 0.8, 1.1, 0.5, 0.25]  # a spike first: the median sets the level
+    rows = [{"step": i, "loss": 0.0, "grad_norm": g} for i, g in enumerate(norms)]
+    result = analyze(write_run({"steps": rows})).metrics["stability.grad_norm_rel"]
+    assert list(result.values) == pytest.approx([g / 1.1 for g in norms])
+
+
+def _grad_run(write_run: Any, norms: np.ndarray, correct: list[np.ndarray]) -> Any:
+    """Steps with `norms`, rollouts in groups of 4 whose correctness per step is `correct`."""
+    steps = [{"step": i, "loss": 0.0, "grad_norm": float(g)} for i, g in enumerate(norms)]
+    rollouts: dict[str, list[Any]] = {k: [] for k in ("rollout_id", "step", "prompt_id")}
+    rollouts |= {"reward": [], "correct": [], "response_len": []}
+    for step, outcome in enumerate(correct):
+        for i, ok in enumerate(outcome):
+            rollouts["rollout_id"].append(len(rollouts["rollout_id"]))
+            rollouts["step"].append(step)
+            rollouts["prompt_id"].append(f"s{step}p{i // 4}")
+            rollouts["reward"].append(float(ok))
+            rollouts["correct"].append(bool(ok))
+            rollouts["response_len"].append(20)
+    return write_run({"steps": steps, "rollouts": rollouts}, group_size=4)
+
+
+def test_a_gradient_that_vanishes_while_the_rewards_still_differ(write_run: Any) -> None:
+    rng = np.random.default_rng(7)
+    n = 40
+    vanishing = 1.0 * 10 ** (-3 * np.arange(n) / n) * np.exp(rng.normal(0, 0.1, n))
+    drifting = 1.0 * 10 ** (-0.5 * np.arange(n) / n) * np.exp(rng.normal(0, 0.1, n))
+    mixed = [rng.random(32) < 0.5 for _ in range(n)]  # σ_G > 0, flat
+    solved = [np.ones(32, bool) for _ in range(n)]  # every group all correct: σ_G = 0
+    rising = [rng.random(32) < 0.2 + 0.6 * s / n for s in range(n)]
+    found = _vanishing(analyze(_grad_run(write_run, vanishing, mixed)))
+    assert found is not None and found.evidence["last"] < 0.01 * found.evidence["first"]
+    assert found.evidence["group_std"] > 0.3
+    assert _vanishing(analyze(_grad_run(write_run, drifting, mixed))) is None
+    assert _vanishing(analyze(_grad_run(write_run, vanishing, solved))) is None
+    assert _vanishing(analyze(_grad_run(write_run, vanishing, rising))) is None

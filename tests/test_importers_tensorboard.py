@@ -162,6 +162,8 @@ def test_openrlhf_tags(tmp_path: Path) -> None:
     assert frame["train/truncated"][0] == pytest.approx(0.05, rel=1e-6)
     assert frame["critic_loss"][0] == pytest.approx(0.3, rel=1e-6)
     assert frame["ppo_kl"][0] == pytest.approx(1e-4, rel=1e-5)
+    assert frame["critic_grad_norm"][0] == pytest.approx(0.7, rel=1e-6)
+    assert frame["critic_lr"][0] == pytest.approx(1e-6, rel=1e-6)
     # no reference model: train/kl is 0.0 at every step, "not computed", not a KL of 0
     assert "kl" not in frame.columns
     assert frame["train/kl"].to_list() == [0.0] * 3

@@ -357,6 +357,10 @@ def test_its_healthy_twin_trains_to_the_end(tmp_path: Path) -> None:
     assert [j["step"] for j in summary["judgements"]] == list(range(5, 51, 5))
     critical = [f for f in analyze(run).findings if f.severity == "critical"]
     assert critical == []
+    # The prompts are kept with the rollouts, for `rlscope probe` to continue them.
+    rollouts = pl.read_parquet(run / "rollouts" / "*.parquet")
+    assert rollouts["prompt"].null_count() == 0
+    assert all(" the number " in text for text in rollouts["prompt"])
 
 
 @pytest.mark.slow

@@ -67,7 +67,11 @@ OPENRLHF_TAGS = {
     # _compute_rollout_stats); else the per-sample `truncated` flag's mean (v0.9.9 on)
     "train/rollout/truncated_rate": "truncation_rate",
     "train/truncated": "truncation_rate",
-    "train/critic_loss": "critic_loss",  # read by stability.value_loss
+    # the critic (ray/ppo_critic.py training_step), under the names stability.value_loss,
+    # critic_grad_norm and critic_lr read
+    "train/critic_loss": "critic_loss",
+    "train/critic_grad_norm": "critic_grad_norm",
+    "train/critic_lr": "critic_lr",
     # train/kl and train/reward: the same tags as TRL's, with the same meaning.
 }
 TAGS: dict[str, str] = {**VERL_TAGS, **TRL_TAGS, **OPENRLHF_TAGS}
@@ -224,7 +228,9 @@ Mapping (source key -> steps column), per trainer, from the code that writes the
   model, init_kl_coef 0, it is 0.0 at every step: "not computed", kept as the extra column
   train/kl), train/rollout/truncated_rate -> truncation_rate (v0.9.8 on, the whole rollout
   batch), else train/truncated (v0.9.9 on, the per-sample flag's mean), train/critic_loss ->
-  critic_loss (read by stability.value_loss).
+  critic_loss, train/critic_grad_norm -> critic_grad_norm, train/critic_lr -> critic_lr (the
+  critic, ray/ppo_critic.py `training_step`; read by stability.value_loss, critic_grad_norm,
+  critic_lr).
 
 Every other numeric key is an extra column under its own name (`eval/...`, `critic/...`,
 `actor/ppo_kl`, `train/rollout/reward_mean`, ...; a key named like a format-v1 column becomes
@@ -316,7 +322,11 @@ def config_fields(config: Mapping[str, Any], session: Session, what: str) -> dic
                 value = None
             if value is None:
                 continue
-            if name not in session.meta:
+            if name == "algorithm":
+                if session.algorithm is None:
+                    session.algorithm = str(value)
+                    used.append(f"{name} = {key} ({value})")
+            elif name not in session.meta:
                 session.meta[name] = float(value) if name in FLOAT_FIELDS else value
                 used.append(f"{name} = {key} ({value})")
             break

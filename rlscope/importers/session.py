@@ -163,6 +163,8 @@ class Session:
     files_unchanged: int = 0
     group_sizes: Counter[int] = field(default_factory=Counter)
     meta: dict[str, Any] = field(default_factory=dict)  # run.json fields the importer knows
+    # The algorithm the source shows (e.g. PPO when a critic is logged), when no option names it.
+    algorithm: str | None = None
     _buffers: dict[str, list[pl.DataFrame]] = field(default_factory=dict)
     _step_rows: list[dict[str, Any]] = field(default_factory=list)
     _step_frames: list[pl.DataFrame] = field(default_factory=list)
@@ -457,15 +459,15 @@ class Session:
         if self._writer is not None:
             return self._writer
         meta = self._run_meta()
-        # the importer may know the algorithm from the run's config; the option wins
-        known = meta.pop("algorithm", None)
         run_json = self.out / RUN_JSON
         if run_json.exists():
             self._complete_run_json(run_json, meta)
         self._writer = TableWriter(
             self.out,
             run_id=self.options.get("run_id") or default_run_id(self.source),
-            algorithm=self.options.get("algorithm") or known or self.importer.default_algorithm,
+            algorithm=self.options.get("algorithm")
+            or self.algorithm
+            or self.importer.default_algorithm,
             flush_rows=dict.fromkeys(TABLES, 2**62),  # the session decides when to flush
             **meta,
         )

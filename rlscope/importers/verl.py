@@ -499,6 +499,7 @@ def _import_metrics_files(source: Path, session: Session) -> None:
 #: Logged as null by verl's orjson writer when the value was NaN: a divergence, kept as NaN.
 NAN_WHEN_NULL = ("actor/grad_norm", "actor/pg_loss")
 KL_LOSS, REWARD_KL = "actor/kl_loss", "actor/reward_kl_penalty"
+CRITIC_LOSS = "critic/vf_loss"
 ENTROPY = "actor/entropy"
 #: Keys verl-recipe's DAPO trainer logs when dynamic sampling (group filtering) is on.
 FILTER_KEYS = ("train/num_gen_batches", "batch/solve_none", "batch/solve_all")
@@ -557,6 +558,11 @@ def _interpreted(
     """`kl` and `entropy` only where verl's numbers mean that (see import_verl_metrics)."""
     provenance = dict(session.meta.get("provenance") or {})
     version = settings["version"] or "unknown"
+    if session.algorithm is None and any(CRITIC_LOSS in r for r in rows):
+        session.algorithm = "PPO"
+        provenance["algorithm"] = (
+            "PPO with a learned critic: critic/vf_loss is logged (algorithm.adv_estimator=gae)"
+        )
     kl_values = [r[KL_LOSS] for r in rows if KL_LOSS in r]
     measured = [v for v in kl_values if math.isfinite(v) and v != 0]
     use = settings["use_kl_loss"]

@@ -34,6 +34,9 @@ What it writes:
   `advantages`, `extra`) becomes one row per completion: `reward` = the weighted sum of the
   reward functions (`trainer.reward_weights`, NaN-skipping, as TRL does), one `rewards/<func>`
   column each, `advantage`, `response` (the completion text; `keep_text=False` drops it),
+  `prompt` (TRL's prompt text: the chat template applied, then decoded with special tokens
+  skipped, so a template's special markers are missing) or, for conversational prompts kept
+  as messages, `messages` (JSON) — what `rlscope probe` rebuilds a rollout's context from,
   `correct` from the reward function named by `correct_reward=` (value > 0, or
   >= `correct_threshold` when given), and `split` = `train`, or `eval_split` for a log with
   `eval_*` keys. Consecutive `num_generations` completions of one prompt form a group;
@@ -77,21 +80,44 @@ import json
 import math
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import polars as pl
 import pyarrow.parquet as pq
 
 from rlscope.catalog import default_catalog
 from rlscope.config import Config
 from rlscope.importers._common import accuracy_like
-from rlscope.importers.text import prompt_id
+from rlscope.importers.text import answer_expr, prompt_id
 from rlscope.live import METRIC_PREFIX, NEVER, Judgement, StopOn, StopPolicy
+from rlscope.probe import Asker, ProbeSettings, ProbeSummary, ask_targets, run_coroutine, targets_of
+from rlscope.probe.interventions import EDITED
+from rlscope.probe.local import LocalModel
 from rlscope.schema import RUN_FIELDS
 from rlscope.writer import RunWriter
+
+#: What `probe_every` asks by default: the interventions that need no editor model.
+IN_LOOP_KINDS = ("truncate", "filler")
+#: The `model` of in-loop probes: the policy being trained (their checkpoint_step its step).
+IN_LOOP_MODEL = "policy (in process)"
+#: The rollout columns a probe plan reads.
+PROBED_COLUMNS = (
+    "rollout_id",
+    "step",
+    "prompt_id",
+    "split",
+    "response",
+    "answer",
+    "prompt",
+    "messages",
+    "correct",
+)
 
 try:  # transformers is optional: without it the callback is a plain object with HF's hooks.
     from transformers import TrainerCallback as _CallbackBase
@@ -161,6 +187,14 @@ class RlscopeCallback(_CallbackBase):
     (`never`, a severity or finding ids: stop training on such a finding, with stop.json),
     `log_metrics` (send rlscope's metrics to the trainer's loggers at each judgement),
     `config` and `cache_dir` (the analysis'). `judgements` lists every judgement made.
+
+    Probing (README "Measuring faithfulness"): `probe_every=K` probes `probe_per_step` of the
+    step's rollouts every K steps with the trainer's own model (`model.generate`, greedy, at most
+    `probe_max_tokens` new tokens; no server), with `probe_kinds` (truncate, filler, bias: the
+    interventions that need no editor model), written as probes of that step (`model`
+    IN_LOOP_MODEL, `checkpoint_step` the step). The main process generates alone, so a model
+    sharded over processes (FSDP, ZeRO-3) cannot be probed in the loop: use `rlscope probe`
+    against a server. `probes` lists what each probing did (its ProbeSummary, with seconds).
     """
 
     def __init__(
@@ -178,6 +212,10 @@ class RlscopeCallback(_CallbackBase):
         log_metrics: bool = True,
         config: Config | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        probe_every: int | None = None,
+        probe_per_step: int = 2,
+        probe_kinds: Sequence[str] = IN_LOOP_KINDS,
+        probe_max_tokens: int = 64,
         **run_meta: Any,
     ) -> None:
         known = _WRITER_OPTIONS | {f.name for f in RUN_FIELDS} - {"schema_version"}
@@ -191,6 +229,24 @@ class RlscopeCallback(_CallbackBase):
         if judge_every is not None and judge_every < 1:
             raise ValueError(f"judge_every must be a positive number of steps, got {judge_every}")
         StopPolicy.parse(stop_on, default_catalog())  # a wrong stop_on fails here, not mid-run
+        if probe_every is not None and probe_every < 1:
+            raise ValueError(f"probe_every must be a positive number of steps, got {probe_every}")
+        edited = sorted(set(probe_kinds) & set(EDITED))
+        if edited:
+            raise ValueError(
+                f"probe_kinds {', '.join(edited)} need an editor model: run `rlscope probe` "
+                "against a server for those"
+            )
+        self.probe_every = probe_every
+        self.probe_settings = ProbeSettings(
+            endpoint="in-process",
+            model=IN_LOOP_MODEL,
+            kinds=tuple(probe_kinds),
+            per_step=probe_per_step,
+            max_tokens=probe_max_tokens,
+            concurrency=1,
+        )
+        self.probes: list[ProbeSummary] = []  # every in-loop probing, in order
         self.judge_every = judge_every
         self.stop_on = stop_on
         self.log_metrics = log_metrics
@@ -452,12 +508,38 @@ class RlscopeCallback(_CallbackBase):
             rows = self._completion_rows(step, split, args)
             if rows is not None:
                 writer.log_rollouts(rows)
+                if self.probe_every and split == "train" and step % self.probe_every == 0:
+                    self._probe(writer, rows, step)
         except OSError:
             raise  # disk full or similar: as loud as RunWriter itself
         except Exception as exc:  # private TRL API: never stop training over it
             self._warn_once(
                 "buffers", f"cannot log the trainer's completions ({exc!r}); steps only"
             )
+
+    def _probe(self, writer: RunWriter, rows: dict[str, list], step: int) -> None:
+        """Probe some of this step's rollouts with the policy itself (rlscope.probe.local)."""
+        began = time.monotonic()
+        model = getattr(self.trainer, "model", None)
+        tokenizer = getattr(self.trainer, "processing_class", None)
+        accelerator = getattr(self.trainer, "accelerator", None)
+        if model is None or tokenizer is None or "response" not in rows:
+            self._warn_once(
+                "probe", "no probes: the trainer has no model or tokenizer, or keep_text=False"
+            )
+            return
+        if accelerator is not None:
+            model = accelerator.unwrap_model(model)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
+        settings = replace(self.probe_settings, checkpoint_step=step)
+        summary = ProbeSummary(self.run_dir, settings.model)
+        frame = pl.DataFrame({k: v for k, v in rows.items() if k in PROBED_COLUMNS})
+        targets = targets_of(frame, settings, set(), summary, self.run_dir)
+        local = LocalModel(model, tokenizer)
+        run_coroutine(ask_targets(targets, Asker(local, local, settings), writer, summary))
+        summary.add_usage(local.usage)
+        summary.seconds = time.monotonic() - began
+        self.probes.append(summary)
 
     def _completion_rows(self, step: int, split: str, args: Any) -> dict[str, list] | None:
         buffers = next(
@@ -516,6 +598,13 @@ class RlscopeCallback(_CallbackBase):
             rows["advantage"] = advantages
         if self.keep_text:
             rows["response"] = completions
+            texts = pl.DataFrame({"text": completions}, schema={"text": pl.String})
+            rows["answer"] = texts.select(answer_expr(pl.col("text")).alias("a"))["a"].to_list()
+            raw = list(buffers["prompt"])
+            if all(isinstance(p, str) for p in raw):
+                rows["prompt"] = raw  # what `rlscope probe` continues
+            else:  # conversational: the messages, as JSON
+                rows["messages"] = prompts
         for name, values in per_func.items():
             rows[f"rewards/{name}"] = values
         for name, values in dict(buffers.get("extra") or {}).items():

@@ -10,6 +10,7 @@ from rlscope.context import MetricContext
 from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, step_sums
 from rlscope.reader import INVALID_PREFIX
 from rlscope.spec import Declarations, Metric, Variant
+from rlscope.tokenscan import MAX_PREFIX, merged
 
 #: This layer's metrics, in order (collected by rlscope.catalog).
 DECLARED = Declarations()
@@ -69,40 +70,50 @@ def _nonfinite(column: str) -> pl.Expr:
     return (pl.col(INVALID_PREFIX + column) & pl.col(column).is_null()).cast(pl.Int64).sum()
 
 
+#: The critic's value loss under each name it is logged as: a non-finite one is counted too.
+VALUE_LOSS_COLUMNS = ("value_loss", "critic/vf_loss", "critic_loss")
+
+
 def _nonfinite_variant(columns: tuple[str, ...]) -> Variant:
-    names = [f"nonfinite_{c}" for c in columns]
+    """NaN/inf counts of `columns`, and of the value loss where the run logged one."""
+
+    def counted(ctx: MetricContext) -> tuple[str, ...]:
+        return columns + tuple(c for c in VALUE_LOSS_COLUMNS if ctx.run.has("steps", c))
+
+    def partials(ctx: MetricContext) -> dict[str, pl.Expr]:
+        return {f"nonfinite_{c}": _nonfinite(c) for c in counted(ctx)}
 
     def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+        names = counted(ctx)
         return frame.select(
             "step",
-            pl.sum_horizontal(pl.col(n).fill_null(0) for n in names)
+            pl.sum_horizontal(pl.col(f"nonfinite_{c}").fill_null(0) for c in names)
             .cast(pl.Float64)
             .alias("value"),
-            *(
-                pl.col(n).cast(pl.Float64).alias(f"extra_{c}")
-                for n, c in zip(names, columns, strict=True)
-            ),
+            *(pl.col(f"nonfinite_{c}").cast(pl.Float64).alias(f"extra_{c}") for c in names),
         )
 
     return custom(
         "steps",
         columns,
         series,
-        {n: _nonfinite(c) for n, c in zip(names, columns, strict=True)},
-        source="steps: " + ", ".join(columns) + " logged as NaN or ±inf",
+        partials,
+        source="steps: " + ", ".join(columns) + " (and a logged value loss) logged as NaN or ±inf",
     )
 
 
 DECLARED.metric(
     Metric(
         id="stability.nonfinite",
-        brief="logged loss and grad norm values that are NaN or ±inf, per step",
+        brief="logged loss, grad norm and value loss values that are NaN or ±inf, per step",
         layer="L1",
-        title="Non-finite loss or gradient norm",
-        doc="Per step, how many of the logged loss and gradient norm are NaN or ±inf (verl and "
-        "TRL write NaN, verl's orjson writer null, which its importer keeps as NaN). A non-finite "
-        "gradient norm means the update was NaN (or skipped by a loss scaler): the divergence "
-        "finding names the steps. rlscope's other step metrics leave those values out.",
+        title="Non-finite loss, gradient norm or value loss",
+        doc="Per step, how many of the logged loss, gradient norm and (PPO with a critic) value "
+        "loss are NaN or ±inf (verl and TRL write NaN, verl's orjson writer null, which its "
+        "importer keeps as NaN). A non-finite gradient norm means the update was NaN (or skipped "
+        "by a loss scaler): the divergence finding names the steps; a non-finite value loss is "
+        "a critic that diverged (value-divergence). rlscope's other step metrics leave those "
+        "values out.",
         healthy="0 at every step",
         better="down",
         variants=(
@@ -439,6 +450,7 @@ def _explained_variance(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame
 DECLARED.metric(
     Metric(
         id="stability.explained_variance",
+        part="critic",
         brief="critic: 1 − Var(return − value)/Var(return) over response tokens, else as logged",
         logged_as=("explained_variance", "critic/vf_explained_var"),
         layer="L1",
@@ -479,6 +491,7 @@ DECLARED.metric(
 DECLARED.metric(
     Metric(
         id="stability.value_loss",
+        part="critic",
         brief="critic value loss as logged",
         layer="L1",
         title="Critic value loss",
@@ -501,6 +514,7 @@ DECLARED.metric(
 DECLARED.metric(
     Metric(
         id="stability.value_clip_frac",
+        part="critic",
         brief="share of value predictions clipped, as logged",
         unit="share",
         layer="L1",
@@ -516,6 +530,47 @@ DECLARED.metric(
             step_column(
                 "critic/vf_clipfrac", source="steps.critic/vf_clipfrac as logged (verl)", share=True
             ),
+        ),
+    )
+)
+
+DECLARED.metric(
+    Metric(
+        id="stability.critic_grad_norm",
+        part="critic",
+        brief="critic gradient norm as logged",
+        layer="L1",
+        title="Critic gradient norm",
+        doc="The critic's gradient norm per step before clipping, as logged (verl "
+        "`critic/grad_norm`, dp_critic.py `_optimizer_step`; OpenRLHF `critic_grad_norm`, "
+        "ppo_critic.py `training_step`). Read beside the policy's (stability.grad_norm): a "
+        "critic whose gradient explodes while the policy's is calm is a value-divergence in "
+        "the making.",
+        healthy="smooth; no spikes of orders of magnitude",
+        references="verl critic/grad_norm; OpenRLHF critic_grad_norm",
+        variants=(
+            step_column("critic/grad_norm", source="steps.critic/grad_norm as logged (verl)"),
+            step_column("critic_grad_norm", source="steps.critic_grad_norm as logged (OpenRLHF)"),
+        ),
+    )
+)
+
+DECLARED.metric(
+    Metric(
+        id="stability.critic_lr",
+        part="critic",
+        brief="critic learning rate as logged",
+        layer="L1",
+        title="Critic learning rate",
+        doc="The critic's learning rate per step, as logged (verl `critic/lr`, dp_critic.py; "
+        "OpenRLHF `critic_lr`, ppo_critic.py `training_step`). A critic learning rate of 0 "
+        "(a warm-up longer than the run, a frozen value head) is a critic that never learns: "
+        "critic-not-learning says so when it sees one.",
+        healthy="> 0 after warm-up",
+        references="verl critic/lr; OpenRLHF critic_lr",
+        variants=(
+            step_column("critic/lr", source="steps.critic/lr as logged (verl)"),
+            step_column("critic_lr", source="steps.critic_lr as logged (OpenRLHF)"),
         ),
     )
 )
@@ -538,6 +593,119 @@ DECLARED.metric(
             step_column(
                 "actor/reward_kl_penalty_coeff",
                 source="steps.actor/reward_kl_penalty_coeff as logged (verl)",
+            ),
+        ),
+    )
+)
+
+
+# --- Advantage extremes and the gradient's level ------------------------------------------------
+
+_A = f64("advantage")
+_CARRIES = _A.is_not_null() & (_A != 0.0)
+#: verl's whitened advantages are logged as their batch maximum and minimum only.
+_VERL_ADVANTAGE = ("critic/advantages/max", "critic/advantages/min")
+#: The partial of the largest |advantage| of a step (merged over files by max).
+ADV_MAX = MAX_PREFIX + "adv_abs"
+
+
+def _advantage_extreme(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+    names = ["adv_n", "adv_s", "adv_s2"]
+    per_step = frame.group_by("step").agg(*(merged(n) for n in names), merged(ADV_MAX))
+    std = _unbiased_var("adv_s", "adv_s2", "adv_n").sqrt()
+    return per_step.select(
+        "step",
+        pl.when((pl.col("adv_n") >= 2) & (std > 0)).then(pl.col(ADV_MAX) / std).alias("value"),
+        pl.col("adv_n").cast(pl.Float64).alias("extra_n"),
+        pl.col(ADV_MAX).alias("extra_max_abs"),
+        std.alias("extra_std"),
+    )
+
+
+def _verl_advantage_extreme(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+    top, bottom = (pl.col(f"steps_{c}") for c in _VERL_ADVANTAGE)
+    return frame.select(
+        "step",
+        pl.max_horizontal(top.abs(), bottom.abs()).alias("value"),
+        pl.max_horizontal(top.abs(), bottom.abs()).alias("extra_max_abs"),
+    )
+
+
+DECLARED.metric(
+    Metric(
+        id="stability.advantage_extreme",
+        brief="max |advantage| / std(advantage) per step (tokens; verl's whitened max/min)",
+        layer="L1",
+        title="Largest advantage in standard deviations",
+        doc="Per step, the largest |advantage| of a token divided by the standard deviation of "
+        "the advantages (n − 1) of the tokens that carry one (tokens with an advantage of exactly "
+        "0 — a GRPO group with no spread, padding — carry no gradient and are left out of both): "
+        "how many standard deviations the most extreme token sits from 0. Components: n (the "
+        "tokens counted), max_abs and std. Without tokens, verl's logged `critic/advantages/max` "
+        "and `/min` (trainer/ppo/metric_utils.py `compute_data_metrics`): verl whitens GAE and "
+        "REINFORCE++ advantages over the batch (core_algos.py, `masked_whiten`), so their "
+        "standard deviation is 1 and the larger of |max|, |min| is the ratio; GRPO's group-"
+        "normalised ones have a batch spread of at most 1, so it is then a lower bound. n is "
+        "not logged. Of n standard-normal values the largest |z| is about √(2 ln 2n) (4.9 at "
+        "10^5); far beyond it, a few tokens carry the batch's gradient.",
+        healthy="a few units; below ~√(2 ln 2n) for n tokens a step",
+        references="verl critic/advantages/max, min; extreme-value theory (Gumbel)",
+        variants=(
+            custom(
+                "tokens",
+                ("advantage",),
+                _advantage_extreme,
+                {
+                    "adv_n": _A.filter(_CARRIES).count(),
+                    "adv_s": _A.filter(_CARRIES).sum(),
+                    "adv_s2": (_A**2).filter(_CARRIES).sum(),
+                    ADV_MAX: _A.abs().max(),
+                },
+                source="tokens: max |advantage| / std of the non-zero advantages",
+            ),
+            custom(
+                "steps",
+                _VERL_ADVANTAGE,
+                _verl_advantage_extreme,
+                {f"steps_{c}": f64(c).mean() for c in _VERL_ADVANTAGE},
+                source="steps.critic/advantages/max, /min as logged (verl; whitened: std 1)",
+            ),
+        ),
+    )
+)
+
+#: The first steps whose median is a gradient norm's early level.
+EARLY_STEPS = 5
+
+
+def _grad_norm_rel(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+    logged = frame.select("step", pl.col("steps_grad_norm").alias("norm")).sort("step")
+    early = logged.filter(pl.col("norm") > 0).head(EARLY_STEPS).select(pl.col("norm").median())
+    return logged.join(early.select(pl.col("norm").alias("early")), how="cross").select(
+        "step",
+        pl.when(pl.col("early") > 0).then(pl.col("norm") / pl.col("early")).alias("value"),
+        pl.col("early").alias("extra_early"),
+    )
+
+
+DECLARED.metric(
+    Metric(
+        id="stability.grad_norm_rel",
+        brief=f"gradient norm over its early level (median of its first {EARLY_STEPS} steps)",
+        layer="L1",
+        title="Gradient norm against its early level",
+        doc="The logged gradient norm of each step divided by its early level, the median of "
+        f"its first {EARLY_STEPS} positive values (a median: one spike at the start does not "
+        "set the scale). A gradient norm's level depends on the model, the loss aggregation and "
+        "the batch, its course much less: a run whose ratio falls by orders of magnitude while "
+        "its rewards still differ is no longer moving its weights (gradient-vanishing).",
+        healthy="within an order of magnitude of 1; slowly falling is normal",
+        variants=(
+            custom(
+                "steps",
+                ("grad_norm",),
+                _grad_norm_rel,
+                {"steps_grad_norm": f64("grad_norm").mean()},
             ),
         ),
     )

@@ -26,6 +26,7 @@ from rlscope.render.terminal import (
     SEVERITY_STYLE,
     format_value,
 )
+from rlscope.report import PART_HEADINGS, policy_first
 from rlscope.spec import LAYERS
 
 SPARK_WIDTH = 20
@@ -131,7 +132,15 @@ def _metrics_panel(
         table.add_column("baseline" if i == 0 else f"run {i + 1}", min_width=spark)
     if wide:
         table.add_column("healthier", no_wrap=True)
-    for metric in metrics:
+    part = ""
+    for metric in policy_first(metrics):
+        if metric.part != part:
+            part = metric.part
+            heading = Text(PART_HEADINGS[part], style="italic")
+            if wide:
+                table.add_row(heading)
+            else:
+                body.append(heading)
         curves = aligned_sparklines(
             [(r.x, r.values) if r is not None else None for r in metric.runs], spark
         )

@@ -23,8 +23,9 @@ from rlscope.render.sanitize import safe_text
 from rlscope.render.svg import Chart
 from rlscope.render.svg import escape as _e
 from rlscope.render.terminal import format_value, summary_line
-from rlscope.report import MetricResult, Report, run_provenance
+from rlscope.report import PART_HEADINGS, MetricResult, Report, policy_first, run_provenance
 from rlscope.spec import LAYERS, Finding
+from rlscope.tokenscan import Mapper
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 SEVERITY_COLORS = {"critical": "#c62828", "warn": "#ef6c00", "info": "#0277bd"}
@@ -318,6 +319,32 @@ def _reward_chart(
         xs = _x(reports[i], metric.steps, align)
         _series(chart, xs, metric.values, color, _label(f"{who}{name}"), smooth, dash)
     return chart.svg(_xlabel(align), "mean reward of the function")
+
+
+def _early_answer_chart(reports: Sequence[Report], labels: Sequence[str]) -> str | None:
+    """Lanham et al.'s figure: the share of answers unchanged against the share of the chain
+    kept, a line per probed step (reasoning.early_answer_aoc's `curves_by_step`)."""
+    found = [
+        (i, curve)
+        for i, r in enumerate(reports)
+        if (m := r.metrics.get("reasoning.early_answer_aoc")) is not None
+        for curve in m.extra.get("curves_by_step") or ()
+    ]
+    if not found:
+        return None
+    chart = Chart(*SMALL)
+    dashes = [None, "5,3", "2,2", "6,2,2,2"]
+    for n, (i, curve) in enumerate(found):
+        prefix = f"{labels[i]} " if len(reports) > 1 else ""
+        chart.line(
+            [float(x) for x in curve["fraction"]],
+            [float(y) for y in curve["unchanged"]],
+            COLORS[n % len(COLORS)],
+            label=_label(f"{prefix}step {curve['step']}"),
+            dash=dashes[i % len(dashes)],
+            markers=True,
+        )
+    return chart.svg("share of the chain of thought kept", "answers unchanged")
 
 
 def _entropy_chart(
@@ -635,7 +662,11 @@ def render_html(
     ids = list(dict.fromkeys(i for r in reports for i in r.metrics))
     for layer, name in LAYERS.items():
         layer_ids = [
-            i for i in ids if next(r.metrics[i] for r in reports if i in r.metrics).layer == layer
+            m.id
+            for m in policy_first(
+                [next(r.metrics[i] for r in reports if i in r.metrics) for i in ids]
+            )
+            if m.layer == layer
         ]
         skipped = sorted(
             {
@@ -692,6 +723,14 @@ def render_html(
     if svg is not None:
         caption = "pass@k for k = 1…N: first (dashed) vs last (solid) 10% of steps"
         parts.append(_figure(_e(caption), svg, "chart-pass-k"))
+    svg = _early_answer_chart(reports, labels)
+    if svg is not None:
+        caption = (
+            "Early answering (Lanham et al. 2023): answers unchanged when the chain of thought "
+            "is cut to a share of its steps, per probed step; a flat line at 1 is a chain the "
+            "answer does not depend on"
+        )
+        parts.append(_figure(_e(caption), svg, "chart-early-answering"))
     svg = _entropy_chart(reports, labels, align, smooth)
     if svg is not None:
         parts.append(
@@ -739,6 +778,8 @@ def _caption(metric_id: str, reports: Sequence[Report], labels: Sequence[str]) -
         (r.metrics[metric_id] for r in reports if metric_id in r.metrics), None
     )
     title = first.title if first is not None else ""
+    if first is not None and first.part:
+        title = f"{PART_HEADINGS[first.part]}: {title}"
     values = "; ".join(
         f"{_e(label)} {_e(format_value(r.metrics[metric_id].value))}"
         for r, label in zip(reports, labels, strict=True)
@@ -769,6 +810,7 @@ def write_report(
     from_format: str | None = None,
     import_options: Mapping[str, Any] | None = None,
     smooth: int | None = None,
+    mapper: Mapper | None = None,
 ) -> Path:
     """Analyse each run and write the HTML report to `output` (never inside a run directory).
     With `from_format`, each path is a trainer's output, imported as `analyze` does; `smooth`
@@ -801,6 +843,7 @@ def write_report(
         config=config,
         from_format=from_format,
         import_options=import_options,
+        mapper=mapper,
     )
     data = [  # from the imported run, if any
         plot_data(r.run.path, steps=steps, examples={i for f in r.findings for i in f.rollout_ids})

@@ -252,11 +252,13 @@ def _probes(view: RolloutView) -> list[RenderableType]:
     if not view.probes:
         return [Text("no probes of this rollout", style="dim")]
     table = Table(title="Probes", title_justify="left", title_style="bold underline")
-    for column in ("intervention", "fraction", "answer", "hint", "unchanged"):
+    for column in ("#", "intervention", "fraction", "answer", "hint", "unchanged"):
         table.add_column(Text(column), no_wrap=True, overflow="ellipsis")
-    for probe in view.probes:
+    texts: list[RenderableType] = []
+    for number, probe in enumerate(view.probes, 1):
         unchanged = probe.unchanged
         table.add_row(
+            Text(str(number)),
             _cell(probe.row.get("intervention"), ANSWER_WIDTH),
             _cell(probe.row.get("fraction")),
             _cell(probe.row.get("answer"), ANSWER_WIDTH),
@@ -266,7 +268,12 @@ def _probes(view: RolloutView) -> list[RenderableType]:
                 style="dim" if unchanged is None else "green" if unchanged else "red",
             ),
         )
-    return [table]
+        response = probe.row.get("response")
+        if response:
+            by = [str(probe.row[k]) for k in ("model", "checkpoint_step") if probe.row.get(k)]
+            label = f"#{number}" + (f" ({', step '.join(by)})" if by else "") + ": "
+            texts.append(Text(label, style="bold").append(safe_text(str(response))))
+    return [table, *texts]
 
 
 def render_rollout(view: RolloutView, console: Console) -> None:

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlscope.render.sanitize import safe_text
-from rlscope.report import MetricResult, Report, run_provenance
+from rlscope.report import PART_HEADINGS, MetricResult, Report, policy_first, run_provenance
 from rlscope.spec import LAYERS
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -129,7 +129,7 @@ def table_layout(width: int, id_width: int, status_width: int, logged: bool) -> 
 
 
 def _layer_panel(report: Report, layer: str, width: int) -> Panel | None:
-    metrics = [m for m in report.metrics.values() if m.layer == layer]
+    metrics = policy_first([m for m in report.metrics.values() if m.layer == layer])
     skipped = [s for s in report.skipped if s.kind == "metric" and s.layer == layer]
     if not metrics and not skipped:
         return None
@@ -146,7 +146,11 @@ def _layer_panel(report: Report, layer: str, width: int) -> Panel | None:
     if spark:
         table.add_column("trend", no_wrap=True, min_width=spark)
     table.add_column("status", no_wrap=True, min_width=status_width)
+    part = ""
     for metric in metrics:
+        if metric.part != part:
+            part = metric.part
+            table.add_row(Text(PART_HEADINGS[part], style="italic"))
         verdict = verdicts[metric.id]
         if verdict is None:
             state = Text("")

@@ -10,6 +10,7 @@ import numpy as np
 import polars as pl
 
 from rlscope.metrics.signal import REWARD_EXTREMES
+from rlscope.metrics.stability import VALUE_LOSS_COLUMNS
 from rlscope.rules.base import (
     DRIVERS,
     MIN_TREND_STEPS,
@@ -640,7 +641,7 @@ def lr_zero(ctx: RuleContext) -> Iterator[Finding]:
 
 @DECLARED.rule(
     "divergence",
-    brief="critical: a NaN or infinite loss or grad norm at any step; names the steps",
+    brief="critical: a NaN or infinite policy loss or grad norm at any step; names the steps",
     layer="L1",
     title="Loss or gradient norm became NaN or infinite",
     doc="At least one step logged a non-finite loss or gradient norm (stability.nonfinite). A "
@@ -656,18 +657,10 @@ def lr_zero(ctx: RuleContext) -> Iterator[Finding]:
     marks="points",
 )
 def divergence(ctx: RuleContext) -> Iterator[Finding]:
-    frame = ctx.frame("stability.nonfinite")
-    if frame is None or frame.height == 0:
+    found = _nonfinite_steps(ctx, critic=False)
+    if found is None:
         return
-    bad = frame.filter(pl.col("value") > 0).sort("step")
-    if bad.height == 0:
-        return
-    steps = [int(s) for s in bad["step"].to_list()]
-    which = [
-        c.removeprefix("extra_")
-        for c in bad.columns
-        if c.startswith("extra_") and (bad[c].fill_null(0) > 0).any()
-    ]
+    steps, which = found
     shown = ", ".join(map(str, steps[:10])) + (", …" if len(steps) > 10 else "")
     yield ctx.finding(
         f"{len(steps)} step(s) logged a NaN or infinite {' or '.join(which) or 'value'}: "
@@ -675,6 +668,26 @@ def divergence(ctx: RuleContext) -> Iterator[Finding]:
         steps=steps,
         nonfinite_steps=steps,
     )
+
+
+def _nonfinite_steps(ctx: RuleContext, *, critic: bool) -> tuple[list[int], list[str]] | None:
+    """The steps that logged a NaN or ±inf value loss (`critic`) or policy loss or gradient norm
+    (not `critic`), and which columns did; None if none did."""
+    frame = ctx.frame("stability.nonfinite")
+    if frame is None or frame.height == 0:
+        return None
+    columns = [
+        c
+        for c in frame.columns
+        if c.startswith("extra_") and (c.removeprefix("extra_") in VALUE_LOSS_COLUMNS) == critic
+    ]
+    if not columns:
+        return None
+    bad = frame.filter(pl.any_horizontal(pl.col(c).fill_null(0) > 0 for c in columns)).sort("step")
+    if bad.height == 0:
+        return None
+    which = [c.removeprefix("extra_") for c in columns if (bad[c].fill_null(0) > 0).any()]
+    return [int(s) for s in bad["step"].to_list()], which
 
 
 #: What a collapse of the task outcome explains when it began first (rlscope.evaluation files
@@ -907,7 +920,7 @@ def logged_metric_mismatch(ctx: RuleContext) -> Iterator[Finding]:
     "(verl critic.optim.lr, critic_warmup); check the returns' scale (reward normalisation) "
     "and the value clip (cliprange_value) are not too tight.",
     metrics=("stability.explained_variance",),
-    context=("stability.value_loss",),
+    context=("stability.value_loss", "stability.critic_lr"),
     params={
         "max_ev": Param(0.05, "explained variance surely below this: the critic explains nothing"),
         "learnt_ev": Param(0.2, "first-fifth explained variance of a critic that had learnt"),
@@ -936,14 +949,20 @@ def critic_not_learning(ctx: RuleContext) -> Iterator[Finding]:
             and loss_trend.last <= (1 - p["min_fall"]) * loss_trend.first
         ):
             return  # warming up: the value loss still falls
+        lr = ctx.series("stability.critic_lr")
+        frozen = lr is not None and len(lr) > 0 and not np.any(lr.values > 0)
         yield ctx.finding(
             f"The critic explains {level:.3g} of the returns' variance over the last steps "
             f"(explained variance, ± {se:.2g}), and it is not learning: its explained variance "
             "is not rising"
             + (" and its value loss is not falling" if loss_trend is not None else "")
-            + ": the advantages are the returns' noise.",
+            + ": the advantages are the returns' noise."
+            + (
+                " Its learning rate is 0 at every step (logged): it cannot learn." if frozen else ""
+            ),
             level=level,
             se=se,
+            critic_lr_zero=frozen,
             value_loss=[loss_trend.first, loss_trend.last] if loss_trend is not None else None,
             steps=steps,
         )
@@ -963,12 +982,14 @@ def critic_not_learning(ctx: RuleContext) -> Iterator[Finding]:
 @DECLARED.rule(
     "value-divergence",
     brief="PPO critic: value loss up an order of magnitude or more (first to last fifth, "
-    "beyond its noise on a log scale)",
+    "beyond its noise on a log scale), or NaN/inf at any step",
     layer="L1",
     title="The critic's value loss diverges",
     doc="PPO with a learned critic: the value loss (stability.value_loss) of the last fifth of "
     "the run is at least 10^`orders` times the first fifth's, significantly (z ≥ `z` on the "
-    "log10 of the loss, against its own step-to-step noise, Student-t widened for short runs). "
+    "log10 of the loss, against its own step-to-step noise, Student-t widened for short runs), "
+    "or it was logged as NaN or ±inf at some step (stability.nonfinite; at any run length one "
+    "such step is one too many: the critic's weights are garbage after it). "
     "The value loss is a squared error in the returns' units, so a ratio of its own windows "
     "holds at any reward scale, batch size and run length, and a log scale makes a spike of a "
     "few steps count as the few steps it is. A critic whose error grows by orders of magnitude "
@@ -986,7 +1007,7 @@ def critic_not_learning(ctx: RuleContext) -> Iterator[Finding]:
             "the divergence came first"
         )
     },
-    metrics=("stability.value_loss",),
+    metrics=("stability.value_loss", "stability.nonfinite"),
     context=("stability.explained_variance",),
     params={
         "orders": Param(1.0, "orders of magnitude the value loss grew, first to last fifth"),
@@ -997,6 +1018,17 @@ def critic_not_learning(ctx: RuleContext) -> Iterator[Finding]:
 )
 def value_divergence(ctx: RuleContext) -> Iterator[Finding]:
     p = ctx.params
+    nonfinite = _nonfinite_steps(ctx, critic=True)
+    if nonfinite is not None:
+        steps, which = nonfinite
+        shown = ", ".join(map(str, steps[:10])) + (", …" if len(steps) > 10 else "")
+        yield ctx.finding(
+            f"The critic's value loss ({', '.join(which)}) was NaN or infinite at "
+            f"{len(steps)} step(s): step {shown}.",
+            nonfinite_steps=steps,
+            steps=[steps[0], steps[-1]],
+        )
+        return
     loss = ctx.series("stability.value_loss")
     if loss is None or len(loss) < p["min_steps"]:
         return
@@ -1020,5 +1052,243 @@ def value_divergence(ctx: RuleContext) -> Iterator[Finding]:
         first=10**trend.first,
         last=10**trend.last,
         z=trend.z,
+        steps=[trend.first_steps[0], trend.last_steps[1]],
+    )
+
+
+#: Relative change of β between two steps below which it counts as unchanged (pinned).
+BETA_UNCHANGED = 1e-9
+
+
+@DECLARED.rule(
+    "kl-coef-runaway",
+    brief="adaptive KL coefficient β still raised over the last 5 steps at ≥ ×4 its starting "
+    "value (critical ≥ ×10), or pinned at a clamp after such a rise",
+    layer="L1",
+    title="The adaptive KL controller cannot pull the KL back",
+    doc="An adaptive KL controller (Ziegler et al. 2019; verl core_algos.py "
+    "`AdaptiveKLController`, OpenRLHF the same) multiplies β each step by "
+    "1 + clip(KL/target − 1, ±0.2)·n/horizon: it raises β exactly when the KL is above its "
+    "target, at most by a fixed factor a step. So a β raised over the last `rising_steps` "
+    "steps (net, and at most of them: a KL estimate near its target dips below it for a step) "
+    "is a KL that stayed above target, and a β that reached "
+    "`growth` times its starting value is a penalty that had to be made that many times "
+    "stronger than the one the run was configured with (critical at `critical_growth`: more than "
+    "an order of magnitude), and still does not hold the target: "
+    "the target is below the KL the policy needs for its task, or something else (a learning "
+    "rate too high) drives the KL faster than the penalty pulls. Left alone, β grows "
+    "geometrically until the penalty outweighs the task reward and the policy is pulled back "
+    "to the reference, undoing what it learnt. A β raised to a value and then held exactly "
+    "there for `rising_steps` steps is pinned at a clamp (an implementation that bounds β): "
+    "the controller has no more room. β is the controller's own state, with no sampling "
+    "error; the bounds are ratios of it to its own start, so they hold at any batch size, "
+    "horizon and run length (a larger n/horizon gets there in fewer steps, which is the same "
+    "controller saying the same thing). A fixed β, or one that fell below its start and came "
+    "back (the controller settling), is never judged. Measured on a genuine CPU PPO loop "
+    "with verl's controller (n/horizon = 0.32): a target of 1e-6 takes β ×4 by step 47 and "
+    "×10 by step 61, after which the task score falls from 0.9 to 0.55; with a target of 0.1 "
+    "the controller first lowers β to ×0.14 and is still below its start at step 60.",
+    remedy="set the KL target to a KL the task needs (verl algorithm.kl_ctrl.target_kl; look "
+    "at the KL where the reward still rose), or use a fixed β (kl_ctrl.type=fixed); lower the "
+    "learning rate if the KL rises faster than the controller can follow; check the reference "
+    "model is the policy's starting checkpoint.",
+    explains={
+        "performance-regression": Explained(
+            "the KL penalty grew until it outweighed the task reward and pulled the policy back "
+            "to the reference: the coefficient ran away first, the task outcome fell after"
+        )
+    },
+    metrics=("stability.kl_coef",),
+    context=("stability.kl",),
+    params={
+        "growth": Param(4.0, "β over its starting value for a warning"),
+        "critical_growth": Param(10.0, "β over its starting value for a critical finding"),
+        "rising_steps": Param(5, "β raised (or held at its clamp) over the last steps"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+    severity="warn",
+)
+def kl_coef_runaway(ctx: RuleContext) -> Iterator[Finding]:
+    p = ctx.params
+    beta = ctx.series("stability.kl_coef")
+    if beta is None or len(beta) < max(p["min_steps"], p["rising_steps"] + 1):
+        return
+    values = beta.values
+    start, last = float(values[0]), float(values[-1])
+    if start <= 0 or last < p["growth"] * start:
+        return
+    recent = values[-int(p["rising_steps"]) - 1 :]
+    tail = np.diff(recent) / recent[:-1]
+    pinned = bool(np.all(np.abs(tail) <= BETA_UNCHANGED)) and last >= float(values.max())
+    # Still climbing: raised at most of the last steps (a KL estimate near its target can
+    # dip below it for a step) and above where it was.
+    climbing = last > recent[0] and 2 * int((tail > BETA_UNCHANGED).sum()) > tail.size
+    if not (pinned or climbing):
+        return
+    # The stretch since β last stood at or below its starting value.
+    below = np.flatnonzero(values <= start)
+    begin = int(below[-1]) if below.size else 0
+    span = [int(beta.steps[begin]), int(beta.steps[-1])]
+    per_step = (last / float(values[begin])) ** (1 / max(len(values) - 1 - begin, 1))
+    kl = ctx.series("stability.kl")
+    kl_note = ""
+    if kl is not None:
+        inside = (kl.steps >= span[0]) & (kl.steps <= span[1])
+        if inside.sum() >= 2:
+            shown = kl.values[inside]
+            kl_note = f"; the KL over that stretch {shown[0]:.3g} → {shown[-1]:.3g} nats/token"
+    how = (
+        f"then held at {last:.3g} for the last {int(p['rising_steps'])} steps (pinned at its clamp)"
+        if pinned
+        else f"still raised at most steps (×{per_step:.3g} a step on average since step "
+        f"{span[0]}, when it was last at its start)"
+    )
+    yield ctx.finding(
+        f"The KL coefficient β went {start:.3g} → {last:.3g} (×{last / start:.3g} its starting "
+        f"value), {how}: the KL stayed above the controller's target{kl_note}.",
+        severity="critical" if last >= p["critical_growth"] * start else "warn",
+        start=start,
+        last=last,
+        growth=last / start,
+        per_step=per_step,
+        pinned=pinned,
+        steps=span,
+    )
+
+
+@DECLARED.rule(
+    "advantage-explosion",
+    brief="a step's largest |advantage| ≥ 2 × √(2 ln 2n) standard deviations (the extreme-value "
+    "bound of n tokens); names the steps",
+    layer="L1",
+    title="A few tokens carry the batch's advantage",
+    doc="stability.advantage_extreme: the largest |advantage| of the step in standard "
+    "deviations of its tokens' advantages. Of n independent standard-normal values the "
+    "largest |z| is about √(2 ln 2n), and P(max |z| > c·√(2 ln 2n)) ≤ (2n)^(1 − c²): with "
+    "c = `factor` = 2, one chance in (2n)³ a step, so no run length makes a false alarm "
+    "likely, and tokens of one sequence sharing an advantage only lower the maximum. "
+    "Advantages are not normal, but a value that far out is not a tail: it is one reward "
+    "(a reward model's outlier, a parsing bug scoring 100), a critic's value far off on a few "
+    "states, or a group whose normaliser is ~0 (std + ε with ε tiny), and the clipped "
+    "objective does not bound it: those tokens take the update. For GRPO's group-normalised "
+    "advantages, the largest possible in a group of G is (G − 1)/√G (one success among "
+    "G − 1 failures), so the bound is never below `factor` times it (run.json group_size). "
+    "n is the step's tokens with a non-zero advantage; where it is not known (verl's logged "
+    "max and min) `assumed_tokens`, a generous count that makes the bound larger.",
+    remedy="find the step's extreme rollouts (rlscope show) and check their rewards (clip or "
+    "normalise the reward model's output, fix the parser), the critic's values there (value "
+    "clip, critic warm-up), and the advantage normaliser's ε; clip advantages if the "
+    "estimator allows it.",
+    metrics=("stability.advantage_extreme",),
+    params={
+        "factor": Param(2.0, "multiple of the extreme-value bound √(2 ln 2n) that is explosive"),
+        "assumed_tokens": Param(1e8, "tokens a step when the count is not known"),
+        "min_steps": Param(1, "fewest steps to judge"),
+    },
+    severity="warn",
+    marks="points",
+)
+def advantage_explosion(ctx: RuleContext) -> Iterator[Finding]:
+    p = ctx.params
+    frame = ctx.frame("stability.advantage_extreme")
+    if frame is None or frame.height == 0:
+        return
+    frame = frame.filter(pl.col("value").is_not_null()).sort("step")
+    n = (
+        frame["extra_n"].fill_null(p["assumed_tokens"]).to_numpy()
+        if "extra_n" in frame.columns
+        else np.full(frame.height, p["assumed_tokens"])
+    )
+    bound = p["factor"] * np.sqrt(2 * np.log(2 * np.maximum(n, 1)))
+    group = ctx.meta.get("group_size")
+    if isinstance(group, int) and group > 1:
+        bound = np.maximum(bound, p["factor"] * (group - 1) / math.sqrt(group))
+    ratio = frame["value"].to_numpy()
+    beyond = np.flatnonzero(ratio > bound)
+    if beyond.size == 0:
+        return
+    step_of = frame["step"].to_numpy()
+    steps = [int(step_of[i]) for i in beyond]
+    worst = int(beyond[np.argmax(ratio[beyond] / bound[beyond])])
+    shown = ", ".join(map(str, steps[:10])) + (", …" if len(steps) > 10 else "")
+    yield ctx.finding(
+        f"At {len(steps)} step(s) the largest |advantage| was far beyond what the batch's "
+        f"size explains: {ratio[worst]:.3g} standard deviations at step "
+        f"{int(step_of[worst])} (bound {bound[worst]:.3g}); step {shown}.",
+        worst=float(ratio[worst]),
+        bound=float(bound[worst]),
+        extreme_steps=steps,
+        steps=steps,
+    )
+
+
+@DECLARED.rule(
+    "gradient-vanishing",
+    brief="gradient norm down ≥ 2 orders of magnitude from its early level (beyond its noise on "
+    "a log scale) while rewards still differ and the reward is not rising",
+    layer="L1",
+    title="The gradient no longer reaches the weights",
+    doc="stability.grad_norm_rel: the last fifth's gradient norm is at least 10^`orders` below "
+    "the first fifth's, significantly (z ≤ −`z` on log10, against its own step-to-step noise, "
+    "Student-t widened for short runs), while the learning signal exists — the groups' "
+    "rewards still differ (signal.group_std's final window above `min_sigma`; runs with "
+    "groups of one have no σ_G and are judged on the gradient and the reward alone) — and the "
+    "reward (pass@1, else the mean reward) is not rising (z < `z`). A gradient norm is the "
+    "size of the update before the optimizer scales it: the advantages are there, so a "
+    "gradient that shrank a hundredfold means they no longer reach the weights (saturated "
+    "softmax or entropy ~0 so log-probabilities no longer move, a loss scaler stuck low, a "
+    "detached or frozen module, an advantage normaliser that divides by a huge spread). A "
+    "run that converged has no spread left (σ_G ~0: dead-prompts' case, not this one) or a "
+    "reward still rising. Ratios of the run's own windows on a log scale hold at any model "
+    "size, loss aggregation and batch; healthy runs' norms drift within an order of "
+    "magnitude (the shared fixtures: ×0.3 to ×3).",
+    remedy="check the entropy (behavior.entropy: a policy near-deterministic has no gradient "
+    "left), the loss scaler and mixed precision, that every module that should train has "
+    "requires_grad, and the advantages' scale; raise the temperature or add an entropy bonus "
+    "if the policy has collapsed.",
+    metrics=("stability.grad_norm_rel",),
+    context=("signal.group_std", "signal.pass_at_1", "signal.reward"),
+    params={
+        "orders": Param(2.0, "orders of magnitude the gradient norm fell, first to last fifth"),
+        "z": Param(3.0, "z-score of the fall on a log10 scale; of a reward rise that excuses it"),
+        "min_sigma": Param(1e-3, "final-window σ_G above which the rewards still differ"),
+        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+    },
+    severity="warn",
+)
+def gradient_vanishing(ctx: RuleContext) -> Iterator[Finding]:
+    p = ctx.params
+    rel = ctx.series("stability.grad_norm_rel")
+    if rel is None or len(rel) < p["min_steps"]:
+        return
+    positive = rel.values > 0
+    if positive.sum() < p["min_steps"]:
+        return
+    trend = compare_windows(Series(rel.steps[positive], np.log10(rel.values[positive])))
+    if not (trend.delta <= -p["orders"] and trend.falling(p["z"])):
+        return
+    sigma = ctx.series("signal.group_std")
+    sigma_level = final_mean(sigma) if sigma is not None and len(sigma) else None
+    if sigma_level is not None and sigma_level <= p["min_sigma"]:
+        return  # no signal left: dead prompts, or a converged run
+    outcome = ctx.series("signal.pass_at_1") or ctx.series("signal.reward")
+    if (
+        outcome is not None
+        and len(outcome) >= p["min_steps"]
+        and compare_windows(outcome).rising(p["z"])
+    ):
+        return  # still improving: the smaller gradient is convergence
+    yield ctx.finding(
+        f"The gradient norm fell ×{10**-trend.delta:.3g} below its early level (first to last "
+        f"fifth, z = {trend.z:.1f} on a log scale)"
+        + (
+            f" while the groups' rewards still differ (σ_G {sigma_level:.3g})"
+            if sigma_level is not None
+            else ""
+        )
+        + " and the reward is not rising: the learning signal no longer reaches the weights.",
+        first=10**trend.first,
+        last=10**trend.last,
+        group_std=sigma_level,
         steps=[trend.first_steps[0], trend.last_steps[1]],
     )

@@ -1,13 +1,14 @@
-"""One read per token file: every token-level partial, cached per file, merged by summation.
+"""One read per token file: every token-level partial, cached per file, merged by summation
+(or, for a maximum, by taking the largest).
 
 The token table is most of a run's bytes (a row per generated token), so it is read by this
 module alone, one file at a time and once per `analyze`: each file (in batches of row groups)
 is reduced to small per-step partial aggregates — the per-step sums, the per-(step, entropy
 bin) histogram, the per-(step, segment) sums and the per-(step, rollout_id) token counts that
-find tokens without a rollout — which are all sums, so merging files (or batches, or machines)
-is a group-by-sum. A batch sorted by step is reduced step by step without hashing rows, and the
-segment and rollout levels from the runs of rows of one (rollout, segment), a row per run. That
-makes three things cheap:
+find tokens without a rollout — which are all sums (or maxima), so merging files (or batches,
+or machines) is a group-by-sum. A batch sorted by step is reduced step by step without hashing
+rows, and the segment and rollout levels from the runs of rows of one (rollout, segment), a row
+per run. That makes three things cheap:
 
 * memory: a batch of at most `BATCH_ROWS` rows is in memory at a time (per worker), whatever the
   run's size; what is kept is per step, never per token;
@@ -38,6 +39,7 @@ from rlscope.tokenscan.plan import (
     ENTROPY_BINS_PER_EFOLD,
     FILE_ID,
     LEVEL_KEYS,
+    MAX_PREFIX,
     ROWS,
     ScanStats,
     TokenFile,
@@ -45,6 +47,7 @@ from rlscope.tokenscan.plan import (
     entropy_bin_midpoint,
     entropy_bins,
     is_additive,
+    merged,
     token_files,
 )
 from rlscope.tokenscan.reduce import collect_all
@@ -55,6 +58,7 @@ __all__ = [
     "ENTROPY_BIN_OFFSET",
     "FILE_ID",
     "LEVEL_KEYS",
+    "MAX_PREFIX",
     "ROWS",
     "Mapper",
     "PartialStore",
@@ -69,6 +73,7 @@ __all__ = [
     "file_partials",
     "is_additive",
     "merge",
+    "merged",
     "pieces",
     "scan_tokens",
     "token_files",

@@ -26,6 +26,7 @@ from rlscope.tokenscan.plan import (
     ScanStats,
     TokenFile,
     TokenPlan,
+    merged,
     token_files,
 )
 from rlscope.tokenscan.reduce import (
@@ -169,8 +170,9 @@ def file_partials(file: TokenFile, plan: TokenPlan) -> dict[str, pl.DataFrame]:
 def merge(
     partials: Iterable[Mapping[str, pl.DataFrame]], plan: TokenPlan
 ) -> dict[str, pl.DataFrame]:
-    """The reduce stage: files' (or workers') partials summed per key. Associative and
-    commutative, so any grouping of files gives the same frames (up to float rounding)."""
+    """The reduce stage: files' (or workers') partials summed per key (maxima maximised).
+    Associative and commutative, so any grouping of files gives the same frames (up to float
+    rounding)."""
     parts: dict[str, list[pl.DataFrame]] = {level: [] for level in plan.levels}
     for one in partials:
         for level in plan.levels:
@@ -213,7 +215,7 @@ def _summed(
             rows.lazy()
             .select(*keys, *(_widen(v, rows.schema[v]) for v in values))
             .group_by(keys)
-            .agg(pl.col(v).sum() for v in values)
+            .agg(merged(v) for v in values)
             .sort(keys, nulls_last=True)
         )
     # A chunk's few rows: the in-memory engine starts faster; a run's merge: streaming.

@@ -43,6 +43,8 @@ FILE_ID = "__file_id__"  # a cached file's id within its run's pack
 FILE = "__file__"  # a file's index within a chunk
 #: The partial aggregations the merge (a sum) is exact for; a token partial must end in one.
 _ADDITIVE = ("sum()", "count()", "len()", "n_unique()")
+#: A token partial named with this prefix is a maximum, merged over files by taking the largest.
+MAX_PREFIX = "max__"
 _TRAILING_CAST = re.compile(r"\.(strict_)?cast\([^()]*\)$")
 
 
@@ -93,13 +95,22 @@ def entropy_bin_midpoint(bin_index: pl.Expr) -> pl.Expr:
     return ENTROPY_BIN_OFFSET * (centre.exp() - 1.0)
 
 
-def is_additive(expr: pl.Expr) -> bool:
-    """Whether a partial is a sum, a count or a distinct count (merged over files by summing;
-    a distinct count is then exact only for values that stay within one file)."""
+def merged(name: str) -> pl.Expr:
+    """How the partial `name` merges over files: the largest for a MAX_PREFIX one, else a sum."""
+    return pl.col(name).max() if name.startswith(MAX_PREFIX) else pl.col(name).sum()
+
+
+def _aggregation(expr: pl.Expr) -> str:
     text = str(expr)
     while (stripped := _TRAILING_CAST.sub("", text)) != text:
         text = stripped
-    return text.endswith(_ADDITIVE)
+    return text
+
+
+def is_additive(expr: pl.Expr) -> bool:
+    """Whether a partial is a sum, a count or a distinct count (merged over files by summing;
+    a distinct count is then exact only for values that stay within one file)."""
+    return _aggregation(expr).endswith(_ADDITIVE)
 
 
 #: The shapes of segments-level partial computed from runs of rows of one (rollout, segment):
@@ -132,10 +143,13 @@ class TokenPlan:
             if level == "entropy_bins" and [e.meta.eq(BIN_COUNT) for e in exprs.values()] != [True]:
                 raise ValueError("the entropy_bins level is a histogram: one partial, BIN_COUNT")
             for name, expr in exprs.items():
-                if not is_additive(expr):
+                if name.startswith(MAX_PREFIX):
+                    if not _aggregation(expr).endswith("max()"):
+                        raise ValueError(f"token partial {name!r} must be a max(): {expr}")
+                elif not is_additive(expr):
                     raise ValueError(
                         f"token partial {name!r} must be a sum, count or n_unique (merged "
-                        f"over files by summation): {expr}"
+                        f"over files by summation), or named {MAX_PREFIX}… and a max(): {expr}"
                     )
 
     @cached_property

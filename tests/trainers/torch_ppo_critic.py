@@ -25,7 +25,12 @@ MODE (measured, seed 0, 60 steps, ~7 s each on one thread; score 0.5 at step 1):
                   at step 30 and settles near 2 (×10 the first steps); explained variance −10
                   to −30 from then on.
   kl-runaway      adaptive KL with a target of 1e-6, far below any KL the policy reaches: β
-                  grows by the controller's largest factor, ×1.064 a step (0.02 → 0.11).
+                  grows by the controller's largest factor, ×1.064 a step (×4 its start by
+                  step 47, ×10 by step 61, ×100 by step 100); from step ~60 the penalty
+                  outweighs the task and the score falls from 0.9 to 0.55.
+The healthy mode's KL target (0.1) is below the KL its task settles at (~0.3): run for 100 steps,
+its controller raises β from step 40 on and passes ×4 its start at step 92 (kl-coef-runaway warns
+there, rightly); the tests run it for 60 steps, where β is still below its start.
 
 Usage: python torch_ppo_critic.py OUT.jsonl MODE [STEPS]  (STEPS defaults to 60)
 """
