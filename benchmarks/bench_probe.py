@@ -112,13 +112,15 @@ def main() -> None:
         "bodies sent by urllib in as many threads. The `openai` package's import, once per "
         f"command, took {import_seconds:.2f} s and is left out.",
         "",
-        "| concurrency | probes | rlscope s | probes/s | tokens out/s | straight s | overhead |",
-        "|---|---|---|---|---|---|---|",
+        "| concurrency | probes | rlscope s | probes/s | tokens out/s | straight s | overhead | "
+        "per probe | planning |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for concurrency, n, seconds, tokens, straight, _ in rows:
+    for concurrency, n, seconds, tokens, straight, plan in rows:
         lines.append(
             f"| {concurrency} | {n} | {seconds:.2f} | {n / seconds:.1f} | {tokens / seconds:.0f} "
-            f"| {straight:.2f} | {100 * (seconds / straight - 1):+.1f}% |"
+            f"| {straight:.2f} | {100 * (seconds / straight - 1):+.1f}% | "
+            f"{1000 * (seconds - straight) / n:+.1f} ms | {plan:.2f} s |"
         )
     write_section(args.out, lines)
     print("\n".join(lines))

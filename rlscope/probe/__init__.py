@@ -26,7 +26,7 @@ from typing import Any
 import polars as pl
 
 from rlscope.errors import RlscopeError
-from rlscope.importers.text import extract_answer
+from rlscope.importers.text import answer_expr
 from rlscope.probe import interventions as iv
 from rlscope.probe.client import Backend, Endpoint, Reply, Usage
 from rlscope.reader import Run, open_run
@@ -447,7 +447,6 @@ class Asker:
             "rollout_id": target.rollout_id,
             "intervention": probe.kind,
             "fraction": probe.fraction,
-            "answer": extract_answer(response),
             "hint": hint,
             "response": response,
             "model": self.settings.model,
@@ -508,28 +507,45 @@ async def ask_targets(
     progress: Progress | None = None,
 ) -> None:
     """Every target's probes, a target's all at once (so that a server's prefix cache serves
-    them), at most `concurrency` targets at a time; each target's rows logged when done."""
+    them), at most `concurrency` targets at a time. Answered probes are handed to the writer
+    FLUSH_PROBES at a time, their answers extracted together (one query, not one a probe)."""
     done = 0
     total = sum(len(t.probes) for t in targets)
+    answered: list[dict[str, Any]] = []
+
+    def hand_over() -> None:
+        if answered:
+            writer.log_probes(with_answers(answered))
+            summary.probes_written += len(answered)
+            answered.clear()
 
     async def target_done(target: Target) -> None:
         nonlocal done
         rows = await asyncio.gather(*(asker.one(target, p) for p in target.probes))
-        kept = [r for r in rows if r is not None]
-        if kept:
-            writer.log_probes(kept)
-            summary.probes_written += len(kept)
+        answered.extend(r for r in rows if r is not None)
+        if len(answered) >= FLUSH_PROBES:
+            hand_over()
         done += len(target.probes)
         if progress is not None:
             progress(done, total)
 
     pending: set[asyncio.Task[None]] = set()
-    for target in targets:
-        if len(pending) >= asker.settings.concurrency:
-            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        pending.add(asyncio.create_task(target_done(target)))
-    if pending:
-        await asyncio.gather(*pending)
+    try:
+        for target in targets:
+            if len(pending) >= asker.settings.concurrency:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            pending.add(asyncio.create_task(target_done(target)))
+        if pending:
+            await asyncio.gather(*pending)
+    finally:
+        hand_over()  # what was answered is kept, also when interrupted
+
+
+def with_answers(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    """Probe rows with their `answer` extracted from their `response` by the importers' rule
+    (rlscope.importers.text.answer_expr), in one query."""
+    frame = pl.DataFrame(rows, schema_overrides={"response": pl.String, "hint": pl.String})
+    return frame.with_columns(answer_expr(pl.col("response")).alias("answer"))
 
 
 def run_coroutine(coroutine: Any) -> Any:
