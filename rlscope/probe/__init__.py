@@ -441,8 +441,8 @@ class Asker:
         if reply is None:
             return None
         response = text + reply.text
-        if closer and response.rstrip().endswith(closer) is False and closer not in reply.text:
-            response += closer  # the server stopped at it and left it out
+        if closer and closer not in reply.text:
+            response += closer  # OpenAI's servers leave the stop string out (transformers keeps it)
         return {
             "rollout_id": target.rollout_id,
             "intervention": probe.kind,
