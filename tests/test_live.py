@@ -299,8 +299,15 @@ def _trl_judged(
     done = run_trainer(
         "trl_lr_collapse.py", out, mode, "50", "--judge", run, "critical", "5", processes=processes
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"steps"')]
-    summaries = sorted((json.loads(line) for line in lines), key=lambda s: -len(s["judgements"]))
+    # Two processes share stdout: another's output can land on a summary's line, so each
+    # summary is decoded from where it starts, whatever surrounds it.
+    decoder = json.JSONDecoder()
+    found = [
+        decoder.raw_decode(line, line.index('{"steps"'))[0]
+        for line in done.stdout.splitlines()
+        if '{"steps"' in line
+    ]
+    summaries = sorted(found, key=lambda s: -len(s["judgements"]))
     assert len(summaries) == processes
     return summaries, out, run
 

@@ -226,7 +226,7 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
         for j in c.judgements
     ]
     summary = {"steps": trainer.state.global_step, "seconds": seconds, "judgements": judgements}
-    print(json.dumps(summary))
+    print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":
