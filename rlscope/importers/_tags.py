@@ -166,6 +166,19 @@ def all_zero_frame(frame: pl.DataFrame, keys: Iterable[str]) -> dict[str, bool]:
     return {k: bool(row[k]) for k in present if logged[k]}
 
 
+def mapped_once(
+    state: dict[str, Any], frame: pl.DataFrame, names: Mapping[str, str], config: Mapping[str, Any]
+) -> list[str]:
+    """Resolve the run's key mapping from `frame` at its first import and keep it in `state`
+    (the import's record: re-imports map the same way); the notes of that resolution."""
+    if "mapping" in state:
+        return []
+    resolved = resolve(all_zero_frame(frame, names), names)
+    entropy_by_config(resolved, config)
+    state["mapping"], state["provenance"] = resolved.mapping, resolved.provenance
+    return list(resolved.notes)
+
+
 def step_columns(frame: pl.DataFrame, mapping: Mapping[str, str]) -> pl.DataFrame:
     """Source keys renamed to steps columns (`mapping`), other keys carrying a format-v1 name
     kept as `raw_<key>`, and non-finite values NaN (a non-finite loss or grad norm is a

@@ -14,10 +14,8 @@ from rlscope.errors import RlscopeError
 from rlscope.importers._tags import (
     TRL_NAMES,
     VERL_TAGS,
-    all_zero_frame,
     config_fields,
-    entropy_by_config,
-    resolve,
+    mapped_once,
     step_columns,
     with_mapping,
 )
@@ -95,21 +93,11 @@ def import_mlflow(session: Session) -> None:
     }
     config = {k.replace("/", "."): _param(v) for k, v in params.items()}
     provenance.update(config_fields(config, session, f"the MLflow run's params ({run['id']})"))
-    if "mapping" not in state:
-        resolved = resolve(all_zero_frame(frame, NAMES), NAMES)
-        entropy_by_config(resolved, config)
-        state["mapping"], state["provenance"] = resolved.mapping, resolved.provenance
-        session.notes += resolved.notes
+    session.notes += mapped_once(state, frame, NAMES, config)
     provenance.update(state.get("provenance", {}))
     session.meta["provenance"] = provenance
     session.notes += notes
-    frame = step_columns(frame, state["mapping"])
-    last = session.entry["last_step"].get("steps")
-    if last is not None:
-        for step in frame.filter(pl.col("step") <= last)["step"].to_list():
-            session.skip_step("steps", int(step))
-        frame = frame.filter(pl.col("step") > last)
-    session.add_step_frame(frame)
+    frame = session.add_step_frame(step_columns(frame, state["mapping"]))
     session.notes.append(
         f"MLflow run {run['id']}" + (f" ({run['name']})" if run.get("name") else "")
     )

@@ -376,11 +376,17 @@ class Session:
             self.rows["steps"] += 1
             self._stage_last("steps", step)
 
-    def add_step_frame(self, frame: pl.DataFrame) -> None:
+    def add_step_frame(self, frame: pl.DataFrame) -> pl.DataFrame:
         """Many steps as one frame (a `step` column, one column per metric): what a log of
-        100k steps is imported as, never one dict per step."""
+        100k steps is imported as, never one dict per step. Steps an earlier import wrote are
+        skipped (and counted); returns the rows kept."""
+        last = self.entry["last_step"].get("steps")
+        if last is not None:
+            for step in frame.filter(pl.col("step") <= last)["step"].to_list():
+                self.skip_step("steps", int(step))
+            frame = frame.filter(pl.col("step") > last)
         if frame.height == 0:
-            return
+            return frame
         steps = frame["step"].to_list()
         self._seen.update(("steps", int(s)) for s in steps)
         self._steps_logged.update(int(s) for s in steps)
@@ -389,6 +395,7 @@ class Session:
         self._step_frames.append(frame)
         self.rows["steps"] += frame.height
         self._stage_last("steps", int(frame["step"].max()))  # type: ignore[arg-type]
+        return frame
 
     def _stage_last(self, table: str, step: int) -> None:
         self._staged_last[table] = max(step, self._staged_last.get(table, step))

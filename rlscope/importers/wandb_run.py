@@ -15,10 +15,8 @@ from rlscope.errors import RlscopeError
 from rlscope.importers import trl as trl_importer
 from rlscope.importers._tags import (
     TAGS,
-    all_zero_frame,
     config_fields,
-    entropy_by_config,
-    resolve,
+    mapped_once,
     step_columns,
     with_mapping,
 )
@@ -160,22 +158,12 @@ def import_wandb(session: Session) -> None:
     names = dict(TAGS)
     if completions:
         names["train/completions/mean_length"] = "completions/mean_length_logged"
-    if "mapping" not in state:
-        resolved = resolve(all_zero_frame(frame, names), names)
-        entropy_by_config(resolved, _run_config(logs))
-        state["mapping"], state["provenance"] = resolved.mapping, resolved.provenance
-        session.notes += resolved.notes
+    session.notes += mapped_once(state, frame, names, _run_config(logs))
     provenance.update(state.get("provenance", {}))
     session.meta["provenance"] = {**session.meta.get("provenance", {}), **provenance}
     if completions:
         _trl_rollouts(completions, frame, session, provenance, _run_config(logs))
-    frame = step_columns(frame, state["mapping"])
-    last = session.entry["last_step"].get("steps")
-    if last is not None:
-        for step in frame.filter(pl.col("step") <= last)["step"].to_list():
-            session.skip_step("steps", int(step))
-        frame = frame.filter(pl.col("step") > last)
-    session.add_step_frame(frame)
+    frame = session.add_step_frame(step_columns(frame, state["mapping"]))
     for log in logs:
         session.file_done(log.path, frame.height, known=known[log.path], records=log.records)
     versions = sorted({v for log in logs if (v := log.version)})
