@@ -92,11 +92,6 @@ class Endpoint:
     async def close(self) -> None:
         await self._client.close()
 
-    async def models(self) -> list[str]:
-        """The model ids the server offers (GET /v1/models)."""
-        page = await self._client.models.list()
-        return [m.id for m in page.data]
-
     async def complete(self, prompt: str, **sampling: Any) -> Reply | None:
         """/v1/completions: the text generated after `prompt`; None on failure (counted)."""
         return await self._call(
@@ -151,7 +146,9 @@ class Endpoint:
         saying what to do otherwise."""
         openai = self._errors
         try:
-            offered = await self.models()
+            # Once, not retried: a server that is not there is said at once, not after backoff.
+            page = await self._client.with_options(max_retries=0).models.list()
+            offered = [m.id for m in page.data]
         except (openai.APIConnectionError, openai.APITimeoutError):
             raise RlscopeError(
                 f"{self.url}: no server answers",
