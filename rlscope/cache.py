@@ -15,13 +15,14 @@ import polars as pl
 
 from rlscope._version import __version__
 from rlscope.atomic import atomic_write
+from rlscope.exactsum import ENGINE
 from rlscope.reader import Run
 from rlscope.tokenscan import (
     FILE_ID,
     LEVEL_KEYS,
     TokenFile,
     TokenPlan,
-    merge,
+    fold,
     merged,
     value_columns,
 )
@@ -280,14 +281,15 @@ def _run_digest(run: Run) -> str:
 
 class PartialCache:
     """What rlscope keeps between analyses of a run, in the user cache dir (see `Parts`):
-    `token-partials/<plan>/<run>/`, each token file's partials (loaded summed), and
+    `token-partials/<plan>/<run>/`, each token file's partials (loaded folded), and
     `table-partials/<table>/<plan>/<run>/`, each steps or rollouts file's step-local
     aggregates (loaded as rows tagged by file)."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
         self.base = cache_root(root)
         self.root = self.base / "token-partials"
-        self.loaded: dict[str, pl.DataFrame] = {}  # by `load`: every hit's partials, summed
+        # By `load`: every hit's partials, folded (see `tokenscan.fold`).
+        self.loaded: dict[str, pl.DataFrame] = {}
         self._tokens: Parts | None = None
 
     @staticmethod
@@ -301,21 +303,23 @@ class PartialCache:
     def load(
         self, run: Run, files: list[TokenFile], plan: TokenPlan, fingerprint: str
     ) -> list[bool]:
-        """Which token files have cached partials; theirs, summed, are left in `self.loaded`."""
+        """Which token files have cached partials; theirs, folded, are left in `self.loaded`."""
         self.loaded = {}
         self._tokens = Parts(self.folder(run, fingerprint), [_pack_name(lv) for lv in plan.levels])
         hits = self._tokens.open([self.key(f) for f in files])
         if not any(hits):
             return hits
         queries = []
-        for level in plan.levels:
-            keys, values = LEVEL_KEYS[level], value_columns(level, plan)
-            queries += [
-                scan.group_by(keys).agg(merged(v) for v in values)
-                for scan in self._tokens.scans(_pack_name(level))
-            ]
         try:
-            frames = pl.collect_all(queries)
+            for level in plan.levels:
+                keys, values = LEVEL_KEYS[level], value_columns(level, plan)
+                for scan in self._tokens.scans(_pack_name(level)):
+                    schema = scan.collect_schema()
+                    if any(schema[v].is_float() for v in values if v in schema):
+                        queries.append(scan.drop(FILE_ID))  # each file's rows, for `merge`
+                    else:
+                        queries.append(scan.group_by(keys).agg(merged(v) for v in values))
+            frames = pl.collect_all(queries, engine=ENGINE)
         except (OSError, pl.exceptions.PolarsError):
             self._tokens = Parts(self._tokens.folder, self._tokens.names)
             return [False] * len(files)
@@ -324,7 +328,7 @@ class PartialCache:
             {lv: frames[i * per_level + j] for i, lv in enumerate(plan.levels)}
             for j in range(per_level)
         ]
-        self.loaded = merge(summed, plan)
+        self.loaded = fold(summed, plan)
         return hits
 
     def add(self, file: TokenFile, partials: Mapping[str, pl.DataFrame]) -> None:

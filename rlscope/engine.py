@@ -14,6 +14,7 @@ import pyarrow as pa
 from rlscope.catalog import Catalog, default_catalog
 from rlscope.context import MetricContext
 from rlscope.errors import RlscopeError
+from rlscope.exactsum import ENGINE
 from rlscope.reader import (
     FILE_INDEX,
     INVALID_PREFIX,
@@ -178,10 +179,11 @@ def aggregate_query(
         lf = lf.filter(valid_rollout())
         if steps is not None:
             lf = lf.filter(pl.col("step").is_between(*steps))
-        return lf.group_by(GROUP_KEYS).agg(exprs)
+        # Sorted: a group-by's order is its threads', and the series sum over these rows.
+        return lf.group_by(GROUP_KEYS).agg(exprs).sort(GROUP_KEYS, nulls_last=True)
     if count_invalid is not None:
         exprs.append(pl.len().alias(ROWS))  # for the count of rows with a null step
-    return lf.group_by("step").agg(exprs)
+    return lf.group_by("step").agg(exprs).sort("step", nulls_last=True)
 
 
 def token_plan(
@@ -657,7 +659,10 @@ class RolloutSeries:
         query = aggregate_query(
             run, "rollouts", "rollout", partials, prelude=self.prelude, steps=steps
         )
-        return _collect([query], "reading rollouts", run, ["rollouts"], TEXT_MORSEL_ROWS)[0]
+        collected = _collect(
+            [query], "reading rollouts", run, ["rollouts"], TEXT_MORSEL_ROWS, streaming=True
+        )
+        return collected[0].sort(ROLLOUT_KEYS, nulls_last=True)  # the series sum in this order
 
 
 @dataclass(frozen=True)
@@ -703,7 +708,7 @@ def group_sizes(run: Run) -> pl.DataFrame:
             .group_by("split", "step", "n")
             .agg(pl.len().cast(pl.Int64).alias("groups"))
         )
-        parts += _collect([query], "reading rollouts", run, ["rollouts"])
+        parts += _collect([query], "reading rollouts", run, ["rollouts"], streaming=True)
     return pl.concat(parts) if parts else pl.DataFrame(schema=SIZES_SCHEMA)
 
 
@@ -729,6 +734,7 @@ def rollout_step_ranges(run: Run, limit: int) -> list[tuple[int, int] | None]:
         "reading rollouts",
         run,
         ["rollouts"],
+        streaming=True,
     )[0]
     return [*_step_ranges(counts["step"].to_list(), counts["len"].to_list(), limit)]
 
@@ -757,7 +763,7 @@ def _from_aggregates(
     source = aggregates.get((variant.table, variant.level))
     if source is None or not set(variant.resolve_partials(ctx)) <= set(source.columns):
         return None
-    return variant.series(source.lazy(), ctx).collect().sort("step")
+    return variant.series(source.lazy(), ctx).collect(engine=ENGINE).sort("step")
 
 
 def _merged(main: Computed, again: Computed, order: list[str]) -> Computed:
@@ -870,14 +876,24 @@ def _collect(
     run: Run | None = None,
     tables: Iterable[str] = (),
     morsel_rows: int | None = None,
+    *,
+    streaming: bool = False,
 ) -> list[pl.DataFrame]:
+    """The queries' frames, on the in-memory engine (its sums do not depend on which thread
+    finishes first: see rlscope.exactsum), or `streaming` (in morsels of `morsel_rows` rows
+    when given) where rows are many and counted or not summed (rollouts' counts, text
+    features)."""
     if not queries:
         return []
     try:
         with pl.Config(streaming_chunk_size=morsel_rows):
             # No common-subplan elimination: for two queries over one table it caches the
             # shared scan in memory, i.e. it would materialise the token table.
-            return pl.collect_all(queries, optimizations=pl.QueryOptFlags(comm_subplan_elim=False))
+            return pl.collect_all(
+                queries,
+                optimizations=pl.QueryOptFlags(comm_subplan_elim=False),
+                engine="streaming" if streaming else ENGINE,
+            )
     except (pl.exceptions.PolarsError, OSError) as exc:
         if run is not None:
             # Names the file removed/rewritten since the open, or the unreadable file/column.

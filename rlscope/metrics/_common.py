@@ -21,14 +21,6 @@ def safe_div(num: pl.Expr, den: pl.Expr) -> pl.Expr:
     return pl.when(den > 0).then(num / den).otherwise(None)
 
 
-def ordered_mean(values: pl.Expr) -> pl.Expr:
-    """The mean of `values` (nulls skipped) summed in sorted order, for a mean in a group-by:
-    a group's rows come in no set order, and a float sum's last bit depends on the order (one
-    run gave 0.8251953125 and 0.8251953125000001 on the same data). `sort().mean()` would not
-    do: Polars drops a sort before an aggregation that ignores order."""
-    return values.sort().cum_sum().last() / values.count()
-
-
 def train(frame: pl.LazyFrame) -> pl.LazyFrame:
     return frame.filter(pl.col("split") == "train")
 

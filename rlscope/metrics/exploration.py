@@ -9,7 +9,8 @@ import polars as pl
 
 from rlscope import text
 from rlscope.context import MetricContext
-from rlscope.metrics._common import ordered_mean, train
+from rlscope.exactsum import ordered_mean
+from rlscope.metrics._common import train
 from rlscope.spec import Declarations, Metric, Variant
 from rlscope.windows import window_size
 
@@ -74,7 +75,7 @@ def _unique_frac(key: str):
         groups = _clusters(frame, key).with_columns(
             (pl.col("sizes").list.len() / pl.col("n")).alias("unique")
         )
-        return groups.group_by("step").agg(pl.col("unique").mean().alias("value"))
+        return groups.group_by("step").agg(ordered_mean(pl.col("unique")).alias("value"))
 
     return series
 
@@ -126,7 +127,7 @@ def _largest_cluster(key: str):
             (pl.col("sizes").list.max() / pl.col("n")).alias("largest")
         )
         return groups.group_by("step").agg(
-            pl.col("largest").mean().alias("value"),
+            ordered_mean(pl.col("largest")).alias("value"),
             pl.col("sizes").list.explode(keep_nulls=False, empty_as_null=False).alias("sizes"),
             pl.col("n").alias("group_sizes"),
         )

@@ -8,6 +8,7 @@ import polars as pl
 
 from rlscope import text
 from rlscope.context import MetricContext
+from rlscope.exactsum import ordered_mean
 from rlscope.metrics._common import (
     custom,
     example_partial,
@@ -56,7 +57,7 @@ def majority_vote(frame: pl.LazyFrame) -> pl.LazyFrame:
     )
     top = votes.filter(pl.col("votes") == pl.col("votes").max().over(GROUP))
     majority = top.group_by(GROUP).agg(
-        pl.col("answer_accuracy").mean().alias("maj"),
+        ordered_mean(pl.col("answer_accuracy")).alias("maj"),
         pl.col("answer_accuracy").sort_by("first_seen").first().alias("maj_first"),
     )
     return groups.join(majority, on=GROUP, how="left").with_columns(
@@ -75,17 +76,15 @@ def _consistency_gap(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         majority_vote(frame)
         .group_by("step")
         .agg(
-            _answered((pl.col("maj") - pl.col("accuracy")).mean()).alias("value"),
-            _answered(pl.col("maj").mean()).alias("extra_maj_at_n"),
-            pl.col("accuracy").mean().alias("extra_mean_accuracy"),
+            _answered(ordered_mean(pl.col("maj") - pl.col("accuracy"))).alias("value"),
+            _answered(ordered_mean(pl.col("maj"))).alias("extra_maj_at_n"),
+            ordered_mean(pl.col("accuracy")).alias("extra_mean_accuracy"),
             # maj@N if every wrong rollout of a group gave the same answer: 1 above half right,
             # 1/2 at exactly half (a tie). maj@N above it = right answers win pluralities.
-            (
+            ordered_mean(
                 (pl.col("accuracy") > 0.5).cast(pl.Float64)
                 + 0.5 * (pl.col("accuracy") == 0.5).cast(pl.Float64)
-            )
-            .mean()
-            .alias("extra_majority_baseline"),
+            ).alias("extra_majority_baseline"),
         )
     )
 
@@ -94,7 +93,7 @@ def _maj_first(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     return (
         majority_vote(frame)
         .group_by("step")
-        .agg(_answered(pl.col("maj_first").mean()).alias("value"))
+        .agg(_answered(ordered_mean(pl.col("maj_first"))).alias("value"))
     )
 
 
@@ -262,7 +261,7 @@ def _aoc(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         .with_columns((1.0 - pl.col("area") / pl.col("span")).alias("aoc"))
     )
     return per_rollout.group_by("step").agg(
-        pl.col("aoc").mean().alias("value"), pl.len().alias("extra_rollouts")
+        ordered_mean(pl.col("aoc")).alias("value"), pl.len().alias("extra_rollouts")
     )
 
 
@@ -282,13 +281,13 @@ def _aoc_curve(frame: pl.DataFrame, ctx: MetricContext) -> dict[str, Any]:
     columns = ("fraction", "unchanged", "rollouts")
     curve = (
         points.group_by("fraction")
-        .agg(pl.col("unchanged").mean(), pl.len().alias("rollouts"))
+        .agg(ordered_mean(pl.col("unchanged")), pl.len().alias("rollouts"))
         .sort("fraction")
         .collect()
     )
     per_step = (
         points.group_by("step", "fraction")
-        .agg(pl.col("unchanged").mean(), pl.len().alias("rollouts"))
+        .agg(ordered_mean(pl.col("unchanged")), pl.len().alias("rollouts"))
         .sort("step", "fraction")
         .collect()
     )

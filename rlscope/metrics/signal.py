@@ -5,6 +5,7 @@ from __future__ import annotations
 import polars as pl
 
 from rlscope.context import MetricContext
+from rlscope.exactsum import ordered_mean
 from rlscope.metrics._common import (
     custom,
     f64,
@@ -412,8 +413,8 @@ def _pass_k(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     k = ks[-1]
     per_group = _with_pass_at(frame, ks)
     return per_group.group_by("step").agg(
-        pl.col(f"pass@{k}").mean().alias("value"),
-        *[pl.col(f"pass@{j}").mean().alias(f"extra_pass@{j}") for j in ks],
+        ordered_mean(pl.col(f"pass@{k}")).alias("value"),
+        *[ordered_mean(pl.col(f"pass@{j}")).alias(f"extra_pass@{j}") for j in ks],
         pl.len().alias("groups"),
     )
 
@@ -434,7 +435,7 @@ def _pass_gap(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     k = ctx.pass_k or 1
     per_group = _with_pass_at(frame, [1, k])
     return per_group.group_by("step").agg(
-        (pl.col(f"pass@{k}") - pl.col("pass@1")).mean().alias("value")
+        ordered_mean(pl.col(f"pass@{k}") - pl.col("pass@1")).alias("value")
     )
 
 

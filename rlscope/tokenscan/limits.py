@@ -43,7 +43,3 @@ COLLECT_SLICE = 32
 #: this many blocks): thousands of small files' frames would otherwise be kept to the end (20k
 #: files: 0.8 GiB of frames).
 FOLD_FILES = 256
-#: Partials of at most this many rows are summed on Polars' in-memory engine, which starts
-#: faster (a chunk's sums: 3 ms -> 1 ms); more (the merge of a whole run's, ~1M rows at 1B
-#: tokens) on the default streaming one, which is faster at that size (0.3 s less).
-IN_MEMORY_ROWS = 100_000

@@ -16,6 +16,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlscope.exactsum import ENGINE
 from rlscope.reader import INVALID_PREFIX, Run
 from rlscope.tokenscan import limits
 from rlscope.tokenscan.plan import (
@@ -170,14 +171,38 @@ def file_partials(file: TokenFile, plan: TokenPlan) -> dict[str, pl.DataFrame]:
 def merge(
     partials: Iterable[Mapping[str, pl.DataFrame]], plan: TokenPlan
 ) -> dict[str, pl.DataFrame]:
-    """The reduce stage: files' (or workers') partials summed per key (maxima maximised).
-    Associative and commutative, so any grouping of files gives the same frames (up to float
-    rounding)."""
+    """The reduce stage: files' (or workers') partials summed per key (maxima maximised),
+    float sums in an order of their values (`merged`): the same files' partials in any order
+    give the same bits."""
     parts: dict[str, list[pl.DataFrame]] = {level: [] for level in plan.levels}
     for one in partials:
         for level in plan.levels:
             parts[level].append(one[level])
     return _summed([parts], plan)[0]
+
+
+def fold(
+    partials: Iterable[Mapping[str, pl.DataFrame]], plan: TokenPlan
+) -> dict[str, pl.DataFrame]:
+    """Files' partials held as one: a level of counts and maxima summed per key (exact in any
+    grouping), a level with a float sum concatenated, each file's rows kept for the one
+    `merge` of the run: a sum of blocks' sums would depend on which files made a block (the
+    order they came in, a warm or cold cache)."""
+    parts: dict[str, list[pl.DataFrame]] = {level: [] for level in plan.levels}
+    for one in partials:
+        for level in plan.levels:
+            parts[level].append(one[level])
+    floats = [level for level in plan.levels if _has_float(parts[level], level, plan)]
+    folded = _summed([parts], plan, [lv for lv in plan.levels if lv not in floats])[0]
+    for level in floats:
+        frames = [_key_typed(f, LEVEL_KEYS[level]) for f in parts[level] if f.height]
+        folded[level] = pl.concat(frames, how="diagonal_relaxed") if frames else parts[level][0]
+    return folded
+
+
+def _has_float(frames: list[pl.DataFrame], level: str, plan: TokenPlan) -> bool:
+    values = value_columns(level, plan)
+    return any(f.schema[v].is_float() for f in frames for v in values if v in f.schema)
 
 
 def value_columns(level: str, plan: TokenPlan) -> list[str]:
@@ -190,15 +215,19 @@ def value_columns(level: str, plan: TokenPlan) -> list[str]:
 
 
 def _summed(
-    parts: Sequence[Mapping[str, list[pl.DataFrame]]], plan: TokenPlan
+    parts: Sequence[Mapping[str, list[pl.DataFrame]]],
+    plan: TokenPlan,
+    levels: Sequence[str] | None = None,
 ) -> list[dict[str, pl.DataFrame]]:
-    """Each element's frames (a file's, or every file's) summed per key of their level, sorted
-    by key. One query per level, tagged by element, whatever the number of elements: a chunk of
-    thousands of small files costs a few group-bys, not a query per file (and one element, the
-    usual chunk of one large file, is not tagged at all)."""
+    """Each element's frames (a file's, or every file's) summed per key of their level (of
+    `levels`, by default every one), sorted by key. One query per level, tagged by element,
+    whatever the number of elements: a chunk of thousands of small files costs a few group-bys,
+    not a query per file (and one element, the usual chunk of one large file, is not tagged at
+    all)."""
     tag = [FILE] if len(parts) > 1 else []
+    levels = plan.levels if levels is None else levels
     queries = []
-    for level in plan.levels:
+    for level in levels:
         keys = [*tag, *LEVEL_KEYS[level]]
         values = value_columns(level, plan)
         frames = [(index, f) for index, one in enumerate(parts) for f in one[level] if f.height]
@@ -215,18 +244,14 @@ def _summed(
             rows.lazy()
             .select(*keys, *(_widen(v, rows.schema[v]) for v in values))
             .group_by(keys)
-            .agg(merged(v) for v in values)
+            .agg(merged(v, rows.schema[v]) for v in values)
             .sort(keys, nulls_last=True)
         )
-    # A chunk's few rows: the in-memory engine starts faster; a run's merge: streaming.
-    small = (
-        sum(f.height for one in parts for fs in one.values() for f in fs) <= limits.IN_MEMORY_ROWS
-    )
-    collected = collect_all(queries, "in-memory" if small else "auto")
+    collected = collect_all(queries, ENGINE)
     if not tag:
-        return [dict(zip(plan.levels, collected, strict=True))]
+        return [dict(zip(levels, collected, strict=True))]
     summed: list[dict[str, pl.DataFrame]] = [{} for _ in parts]
-    for level, frame in zip(plan.levels, collected, strict=True):
+    for level, frame in zip(levels, collected, strict=True):
         pieces = frame.partition_by(FILE, as_dict=True, include_key=False, maintain_order=True)
         empty = frame.clear().drop(FILE)
         for index, one in enumerate(summed):
@@ -344,19 +369,20 @@ def scan_tokens(
                         cache.add(replace(piece, row_groups=None), whole)
                 done += not left[piece.path]
             if len(results) >= limits.FOLD_FILES:
-                # The new files' partials summed apart from what was folded before (a block's
-                # rows, never the whole run's, are hashed while the workers hold their batches).
-                folded.append(merge(results, plan))
+                # The new files' partials held as one apart from what was folded before (a
+                # block's rows, never the whole run's, are hashed while the workers hold their
+                # batches).
+                folded.append(fold(results, plan))
                 results = []
                 if len(folded) >= limits.FOLD_FILES:
-                    folded = [merge(folded, plan)]
+                    folded = [fold(folded, plan)]
             if progress is not None:
                 progress(done, len(files))
     if cache is not None:
         cache.commit()
-    parts = folded + results
-    # One part (the cache's, or one file's) is already summed per key: not summed again.
-    merged = dict(parts[0]) if len(parts) == 1 else merge(parts, plan)
+    # One file's partials are already summed per key: not summed again.
+    single = not folded and len(results) == 1
+    merged = dict(results[0]) if single else merge(folded + results, plan)
     if run.step_range != (None, None):
         merged = {level: frame.filter(run.in_step_range()) for level, frame in merged.items()}
     stats = ScanStats(

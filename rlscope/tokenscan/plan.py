@@ -13,6 +13,7 @@ import numpy as np
 import polars as pl
 
 from rlscope._version import __version__
+from rlscope.exactsum import ordered_sum
 from rlscope.reader import Run
 
 #: Per-step entropy quantiles come from a histogram with log-spaced bins: bin b covers
@@ -95,9 +96,14 @@ def entropy_bin_midpoint(bin_index: pl.Expr) -> pl.Expr:
     return ENTROPY_BIN_OFFSET * (centre.exp() - 1.0)
 
 
-def merged(name: str) -> pl.Expr:
-    """How the partial `name` merges over files: the largest for a MAX_PREFIX one, else a sum."""
-    return pl.col(name).max() if name.startswith(MAX_PREFIX) else pl.col(name).sum()
+def merged(name: str, dtype: pl.DataType | None = None) -> pl.Expr:
+    """How the partial `name` merges over files: the largest for a MAX_PREFIX one, else a sum,
+    of a float one (`dtype`) in an order of its values, not of the files'."""
+    if name.startswith(MAX_PREFIX):
+        return pl.col(name).max()
+    return (
+        ordered_sum(pl.col(name)) if dtype is not None and dtype.is_float() else pl.col(name).sum()
+    )
 
 
 def _aggregation(expr: pl.Expr) -> str:

@@ -13,6 +13,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlscope.exactsum import ENGINE
 from rlscope.reader import INVALID_PREFIX, conform
 from rlscope.tokenscan import limits
 from rlscope.tokenscan.plan import (
@@ -387,7 +388,7 @@ def _collect(
     """Levels (of several pieces of rows) collected at once where they are queries, each
     level's pieces concatenated."""
     flat = [(level, part) for one in levels for level, part in one.items()]
-    collected = iter(collect_all([q for _, q in flat if isinstance(q, pl.LazyFrame)]))
+    collected = iter(collect_all([q for _, q in flat if isinstance(q, pl.LazyFrame)], ENGINE))
     parts: dict[str, list[pl.DataFrame]] = {}
     for level, part in flat:
         frame = next(collected) if isinstance(part, pl.LazyFrame) else part
