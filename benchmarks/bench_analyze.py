@@ -44,6 +44,22 @@ lf.select([pl.col(c).cast(pl.Float64).sum() if c != "segment" else pl.col(c).cou
            for c in cols]).collect(engine="streaming")
 """
 
+# What the token aggregates cost over the decode, without rlscope: Polars' streaming engine
+# computing analyze's own per-step token partials (its plan's expressions, the bulk of its
+# per-row work) in one group-by over the same files. Not the entropy histogram, the segments or
+# the rows per rollout, which analyze computes too.
+STEP_SUMS = """
+import sys, polars as pl
+from rlscope.engine import token_plan
+from rlscope.reader import open_run
+plan = token_plan(open_run(sys.argv[1]))
+lf = pl.scan_parquet(sys.argv[1] + "/tokens/*.parquet")
+for name, expr in plan.prelude.items():
+    lf = lf.with_columns(expr.alias(name))
+sums = [e.alias(n) for n, e in plan.partials[""].items()]
+lf.group_by("step").agg(sums).collect(engine="streaming")
+"""
+
 # The same token aggregates in DuckDB: per-step sums (NaN/inf as null, as rlscope reads them),
 # the per-(step, entropy bin) histogram, per-(step, segment) sums with distinct rollouts, and
 # token rows per (step, rollout_id) (the orphan check). One query per result, as a DuckDB
@@ -301,7 +317,8 @@ def layouts(tokens: int, repeat: int, cache: Path) -> list[dict[str, Any]]:
         run = ensure_layout(base, layout)
         files = sorted((run / "tokens").glob("*.parquet"))
         bare = [sys.executable, "-c", BARE_SCAN.format(cols=TOKEN_COLUMNS), str(run)]
-        commands = {"analyze": analyze_cmd(run, "--no-cache"), "bare": bare}
+        sums = [sys.executable, "-c", STEP_SUMS, str(run)]
+        commands = {"analyze": analyze_cmd(run, "--no-cache"), "bare": bare, "sums": sums}
         cache = page_cache(run)
         n, _ = token_rows(run)
         result: dict[str, Any] = {
@@ -331,11 +348,21 @@ def main() -> None:
         default=200_000_000,
         help="token rows of the run timed in four file layouts (0: none)",
     )
+    parser.add_argument(
+        "--only-layouts",
+        action="store_true",
+        help="time the file layouts only, and rewrite only their section of --out",
+    )
     args = parser.parse_args()
     threads = os.cpu_count() or 1
     rows, incr = [], {}
     steal_before = cpu_times()
     args.startup = median([sys.executable, "-c", STARTUP], args.repeat)[0]
+    if args.only_layouts:
+        laid = layouts(args.layout_tokens, args.repeat, args.cache)
+        args.steal = steal_share(steal_before, cpu_times())
+        write_layouts(args, laid)
+        return
     for target in args.tokens:
         run = ensure_run(target, args.cache)
         check_columns(run)
@@ -375,7 +402,6 @@ def steal_share(before: list[int], after: list[int]) -> float | None:
 def write_results(
     args: argparse.Namespace, rows: list[dict], incr: dict[str, float], laid: list[dict]
 ) -> None:
-    from rlscope.tokenscan import limits
 
     lines = [
         "# rlscope analyze benchmark",
@@ -438,35 +464,7 @@ def write_results(
         f"| {incr['files']:,} | {incr['fill_s']:.1f} | {incr['cached_s']:.1f} "
         f"| {incr['appended_s']:.1f} | {incr['appended_rss_gib']:.2f} | {incr['appended_read']} |",
     ]
-    if laid:
-        lines += [
-            "",
-            "## File layouts",
-            "",
-            f"The same ~{laid[0]['tokens'] / 1e6:.0f}M-token run with its token table written in "
-            "the layouts trainers use (`benchmarks/layouts.py`; the other tables unchanged), each "
-            f"timed {args.repeat} times, round robin: `analyze --no-cache` with every metric, and "
-            "the bare scan of the same columns. The working set is bounded by rows in flight "
-            f"(batches of at most {limits.BATCH_ROWS // 1000}k rows and "
-            f"{limits.BATCH_BYTES >> 20} MiB decoded, read through a "
-            f"{limits.READ_BUFFER_BYTES >> 20} MiB buffer per column, or, where Polars decodes "
-            "faster (no byte-stream-split column), a row group at a time if it is at most "
-            f"{limits.WHOLE_GROUP_BYTES >> 20} MiB decoded; a large file is reduced in pieces of "
-            "row groups by every worker), not by files or large row groups; thousands of files' "
-            "partials are folded as they come.",
-            "",
-            "| layout | token rows | files | rows in the first row group | page cache "
-            "| analyze (s) | peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | analyze / scan "
-            "| CPU: analyze / scan |",
-            "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in laid:
-            (at, arss, acpu), (bt, brss, bcpu) = r["analyze"], r["bare"]
-            lines.append(
-                f"| {r['layout']} | {r['tokens']:,} | {r['files']:,} | {r['row_group']:,} "
-                f"| {r['cache']} | {at:.1f} | {arss:.2f} | {bt:.1f} | {brss:.2f} "
-                f"| {at / bt:.2f} | {acpu / bcpu:.2f} |"
-            )
+    lines += layout_lines(args, laid)
     # The sections other benchmarks write (bench_report.py's) are kept, after these.
     own = {"# rlscope analyze benchmark", "## Incremental re-analysis", "## File layouts"}
     previous = args.out.read_text().split("\n## ") if args.out.exists() else []
@@ -475,6 +473,58 @@ def write_results(
         "\n".join(lines) + "".join("\n\n## " + part.rstrip("\n") for part in kept) + "\n"
     )
     print("\n".join(lines))
+
+
+def layout_lines(args: argparse.Namespace, laid: list[dict]) -> list[str]:
+    """The "File layouts" section (none without layouts)."""
+    from rlscope.tokenscan import limits
+
+    if not laid:
+        return []
+    lines = [
+        "",
+        "## File layouts",
+        "",
+        f"The same ~{laid[0]['tokens'] / 1e6:.0f}M-token run with its token table written in "
+        "the layouts trainers use (`benchmarks/layouts.py`; the other tables unchanged), each "
+        f"timed {args.repeat} times, round robin: `analyze --no-cache` with every metric; the "
+        "bare scan of the same columns; and Polars computing analyze's own per-step token sums "
+        "in one streaming group-by over the same files (`STEP_SUMS`: what those aggregates cost "
+        "over the decode without rlscope, the entropy histogram, segments and rows per rollout "
+        "left out). The working set is bounded by rows in flight "
+        f"(batches of at most {limits.BATCH_ROWS // 1000}k rows and "
+        f"{limits.BATCH_BYTES >> 20} MiB decoded, read through a "
+        f"{limits.READ_BUFFER_BYTES >> 20} MiB buffer per column, or, where Polars decodes "
+        "faster (no byte-stream-split column), a row group at a time if it is at most "
+        f"{limits.WHOLE_GROUP_BYTES >> 20} MiB decoded; a large file is reduced in pieces of "
+        "row groups by every worker), not by files or large row groups; thousands of files' "
+        "partials are folded as they come. CPU steal during the runs: "
+        + (f"{args.steal:.0%}." if getattr(args, "steal", None) is not None else "unknown."),
+        "",
+        "| layout | token rows | files | rows in the first row group | page cache "
+        "| analyze (s) | peak RSS (GiB) | bare scan (s) | bare RSS (GiB) | step sums (s) "
+        "| analyze / scan | analyze / step sums | CPU: analyze / scan |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in laid:
+        (at, arss, acpu), (bt, brss, bcpu), (st, _, _) = r["analyze"], r["bare"], r["sums"]
+        lines.append(
+            f"| {r['layout']} | {r['tokens']:,} | {r['files']:,} | {r['row_group']:,} "
+            f"| {r['cache']} | {at:.1f} | {arss:.2f} | {bt:.1f} | {brss:.2f} | {st:.1f} "
+            f"| {at / bt:.2f} | {at / st:.2f} | {acpu / bcpu:.2f} |"
+        )
+    return lines
+
+
+def write_layouts(args: argparse.Namespace, laid: list[dict]) -> None:
+    """The "File layouts" section of --out replaced (or added), the other sections kept."""
+    previous = args.out.read_text().split("\n## ") if args.out.exists() else [""]
+    section = "\n".join(layout_lines(args, laid)).lstrip("\n").removeprefix("## ")
+    parts = [section if p.startswith("File layouts\n") else p for p in previous]
+    if section not in parts:
+        parts.insert(min(3, len(parts)), section)
+    args.out.write_text("\n\n## ".join(p.rstrip("\n") for p in parts) + "\n")
+    print(section)
 
 
 def _version(module: str) -> str:

@@ -401,7 +401,7 @@ def test_rollout_levels_in_step_ranges_give_the_one_pass_answers(
     and finding, with its example rollouts, is the one-range answer; the rows kept for
     examples are the final window's train rollouts only, without the MinHash signature; no
     per-group frame is kept."""
-    from rlscope import engine
+    from rlscope import engine, sources
     from rlscope.analysis import analyze
     from rlscope.synth import generate
 
@@ -420,7 +420,7 @@ def test_rollout_levels_in_step_ranges_give_the_one_pass_answers(
     assert sizes.height == sizes.select("split", "step", "n").n_unique() < 2 * 20 * 2
     for chunk in (4 * 6 + 5, 3 * 4 * 6):
         for limit in ("ROLLOUT_CHUNK", "GROUP_CHUNK", "SIZES_CHUNK"):
-            monkeypatch.setattr(engine, limit, chunk)
+            monkeypatch.setattr(sources, limit, chunk)
         ranged = analyze(run, use_cache=False).to_dict()
         assert_json_close(ranged["metrics"], whole["metrics"])
         assert_json_close(ranged["findings"], whole["findings"])

@@ -184,7 +184,7 @@ def test_the_fingerprint_is_the_same_in_another_process(grown: tuple[Path, Path]
         "seen=[]; orig=s.read_step_local\n"
         "def spy(run, table, names, frames_of, **kw):\n"
         "    seen.append(kw['fingerprint']); return orig(run, table, names, frames_of, **kw)\n"
-        "import rlscope.engine as e; e.read_step_local=spy\n"
+        "import rlscope.sources as e; e.read_step_local=spy\n"
         "compute(open_run(sys.argv[1])); print(seen)"
     )
     prints = [

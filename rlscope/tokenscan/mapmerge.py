@@ -192,17 +192,15 @@ def fold(
     for one in partials:
         for level in plan.levels:
             parts[level].append(one[level])
-    floats = [level for level in plan.levels if _has_float(parts[level], level, plan)]
-    folded = _summed([parts], plan, [lv for lv in plan.levels if lv not in floats])[0]
-    for level in floats:
-        frames = [_key_typed(f, LEVEL_KEYS[level]) for f in parts[level] if f.height]
-        folded[level] = pl.concat(frames, how="diagonal_relaxed") if frames else parts[level][0]
-    return folded
-
-
-def _has_float(frames: list[pl.DataFrame], level: str, plan: TokenPlan) -> bool:
-    values = value_columns(level, plan)
-    return any(f.schema[v].is_float() for f in frames for v in values if v in f.schema)
+    kept: dict[str, pl.DataFrame] = {}
+    for level in plan.levels:
+        frames = [f for f in parts[level] if f.height]
+        schema = frames[0].schema if frames else {}
+        if any(schema[v].is_float() for v in value_columns(level, plan) if v in schema):
+            keys = LEVEL_KEYS[level]
+            kept[level] = pl.concat([_key_typed(f, keys) for f in frames], how="diagonal_relaxed")
+    folded = _summed([parts], plan, [level for level in plan.levels if level not in kept])[0]
+    return folded | kept
 
 
 def value_columns(level: str, plan: TokenPlan) -> list[str]:
