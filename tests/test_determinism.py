@@ -127,3 +127,19 @@ def test_polars_thread_count_changes_no_bit(run: Path) -> None:
         )
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1]
+
+
+def test_a_file_read_in_pieces_gives_the_same_bits_cold_and_warm(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large file is reduced in pieces of row groups by every worker; its rows in the run's
+    merge are the file's (the sum of its pieces'), cached or not."""
+    whole = _without_tokens(run, tmp_path / "whole")
+    tokens = pl.read_parquet(sorted((run / "tokens").glob("*.parquet")))
+    tokens.write_parquet(whole / "tokens" / "all.parquet", row_group_size=tokens.height // 7)
+    monkeypatch.setattr(limits, "PIECE_FILE_BYTES", 1)
+    monkeypatch.setattr(limits, "PIECE_ROWS", tokens.height // 3)
+    cold = _bytes(_json(whole, use_cache=False))
+    cache = tmp_path / "cache"
+    assert _bytes(_json(whole, cache_dir=cache)) == cold
+    assert _bytes(_json(whole, cache_dir=cache)) == cold

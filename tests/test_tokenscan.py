@@ -231,10 +231,10 @@ def test_reanalysis_reads_only_the_appended_file(
     run = write_run({"rollouts": rollouts_of(tokens), "tokens": pieces[:3]})
     cache = tmp_path / "cache"
     read: list[str] = []
-    original = mapmerge.chunk_partials
+    original = mapmerge.chunk_tagged
     monkeypatch.setattr(
         mapmerge,
-        "chunk_partials",
+        "chunk_tagged",
         lambda files, plan: (read.extend(f.path.name for f in files), original(files, plan))[1],
     )
 
@@ -624,10 +624,10 @@ def test_a_large_file_is_read_in_pieces_and_byte_capped_batches(
     sizes = [batch.height for batch in reduce._batches(split_up[0])]
     assert max(sizes) <= 60 and 400 <= sum(sizes) <= 400 + 100
     read: list[tuple[int, ...] | None] = []
-    original = mapmerge.chunk_partials
+    original = mapmerge.chunk_tagged
     monkeypatch.setattr(
         mapmerge,
-        "chunk_partials",
+        "chunk_tagged",
         lambda files, plan: (read.extend(f.row_groups for f in files), original(files, plan))[1],
     )
     cache = PartialCache(tmp_path / "cache")

@@ -15,7 +15,7 @@ per run. That makes three things cheap:
 * re-analysis: each file's partials are cached in the user cache dir (one pack per run and
   plan), keyed by the file's path, size, mtime and inode, so re-analysing a growing run reads
   only the files that are new since the last time;
-* scaling out: `chunk_partials` is a pure function of (files, plan), so any map over chunks of
+* scaling out: `chunk_tagged` is a pure function of (files, plan), so any map over chunks of
   files (a process pool, Ray, Dask) can run it, with `merge` on the driver (README "Scaling
   out").
 """
@@ -25,7 +25,9 @@ from __future__ import annotations
 from rlscope.tokenscan.mapmerge import (
     Mapper,
     PartialStore,
+    by_file,
     chunk_partials,
+    chunk_tagged,
     chunks,
     file_partials,
     fold,
@@ -66,7 +68,9 @@ __all__ = [
     "ScanStats",
     "TokenFile",
     "TokenPlan",
+    "by_file",
     "chunk_partials",
+    "chunk_tagged",
     "chunks",
     "collect_all",
     "entropy_bin_midpoint",

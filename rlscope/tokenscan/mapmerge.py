@@ -79,10 +79,17 @@ def chunks(files: list[TokenFile]) -> list[list[TokenFile]]:
 
 
 def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl.DataFrame]]:
-    """The map stage: each file of a chunk reduced to every level's partials (a frame per
-    level, keyed by LEVEL_KEYS). Batches of small files are reduced together, keyed by file
-    too, so many small files cost about what one large one does. Pure: depends on the files'
-    contents and the plan only."""
+    """Each file of a chunk reduced to every level's partials (a frame per level, keyed by
+    LEVEL_KEYS): `chunk_tagged` split by file."""
+    return by_file(chunk_tagged(files, plan), len(files))
+
+
+def chunk_tagged(files: list[TokenFile], plan: TokenPlan) -> dict[str, pl.DataFrame]:
+    """The map stage: each file of a chunk reduced to every level's partials, a frame per level
+    of every file's rows tagged in FILE with its index in the chunk (keyed by FILE and
+    LEVEL_KEYS): thousands of small files make a few frames, not a few per file. Batches of
+    small files are reduced together, keyed by file too, so many small files cost about what
+    one large one does. Pure: depends on the files' contents and the plan only."""
     parts: list[dict[str, list[pl.DataFrame]]] = [{lv: [] for lv in plan.levels} for _ in files]
     # (file index, its rows as read) or (None, rows of several files tagged in FILE)
     pending: list[tuple[int | None, pl.DataFrame]] = []
@@ -126,7 +133,22 @@ def chunk_partials(files: list[TokenFile], plan: TokenPlan) -> list[dict[str, pl
             reduce_pending()
     if pending:
         reduce_pending()
-    return _summed(parts, plan)
+    return _summed(parts, plan, tag=True)
+
+
+def by_file(tagged: Mapping[str, pl.DataFrame], count: int) -> list[dict[str, pl.DataFrame]]:
+    """`chunk_tagged`'s frames split into each of its `count` files' partials."""
+    split: list[dict[str, pl.DataFrame]] = [{} for _ in range(count)]
+    for level, frame in tagged.items():
+        files = frame.partition_by(FILE, as_dict=True, include_key=False, maintain_order=True)
+        empty = frame.clear().drop(FILE)
+        for index, one in enumerate(split):
+            one[level] = files.get((index,), empty)
+    return split
+
+
+def _untagged(tagged: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+    return {level: frame.drop(FILE) for level, frame in tagged.items()}
 
 
 def _reads(files: list[TokenFile]) -> Iterator[tuple[int | None, pl.DataFrame]]:
@@ -151,11 +173,22 @@ def _reads(files: list[TokenFile]) -> Iterator[tuple[int | None, pl.DataFrame]]:
         pool = files[i:j]
         paths = {str(f.path): i + k for k, f in enumerate(pool)}
         present = [c for c in pool[0].target if c in pool[0].schema]
-        scan = pl.scan_parquet(
-            list(paths), include_file_paths=FILE, hive_partitioning=False, glob=False
-        )
-        rows = scan.select(*present, pl.col(FILE).replace_strict(paths, return_dtype=pl.Int32))
-        yield None, rows.collect()
+        counts = [f.rows for f in pool if f.rows is not None]
+        if len(counts) < len(pool):
+            scan = pl.scan_parquet(
+                list(paths), include_file_paths=FILE, hive_partitioning=False, glob=False
+            )
+            files_of = pl.col(FILE).replace_strict(paths, return_dtype=pl.Int32)
+            yield None, scan.select(*present, files_of).collect()
+        else:
+            # Each row's file from the files' row counts (their footers, read at open): no
+            # path per row to write and map (half the cost of reading 10k-row files).
+            scan = pl.scan_parquet(list(paths), hive_partitioning=False, glob=False)
+            rows = scan.select(present).collect()
+            index = np.repeat(np.arange(i, j, dtype=np.int32), counts)
+            if index.size != rows.height:
+                raise OSError(f"{pool[0].path} and the files after it changed since the open")
+            yield None, rows.with_columns(pl.Series(FILE, index))
         i = j
 
 
@@ -178,7 +211,7 @@ def merge(
     for one in partials:
         for level in plan.levels:
             parts[level].append(one[level])
-    return _summed([parts], plan)[0]
+    return _summed([parts], plan)
 
 
 def fold(
@@ -199,7 +232,7 @@ def fold(
         if any(schema[v].is_float() for v in value_columns(level, plan) if v in schema):
             keys = LEVEL_KEYS[level]
             kept[level] = pl.concat([_key_typed(f, keys) for f in frames], how="diagonal_relaxed")
-    folded = _summed([parts], plan, [level for level in plan.levels if level not in kept])[0]
+    folded = _summed([parts], plan, [level for level in plan.levels if level not in kept])
     return folded | kept
 
 
@@ -216,17 +249,18 @@ def _summed(
     parts: Sequence[Mapping[str, list[pl.DataFrame]]],
     plan: TokenPlan,
     levels: Sequence[str] | None = None,
-) -> list[dict[str, pl.DataFrame]]:
+    *,
+    tag: bool = False,
+) -> dict[str, pl.DataFrame]:
     """Each element's frames (a file's, or every file's) summed per key of their level (of
-    `levels`, by default every one), sorted by key. One query per level, tagged by element,
-    whatever the number of elements: a chunk of thousands of small files costs a few group-bys,
-    not a query per file (and one element, the usual chunk of one large file, is not tagged at
-    all)."""
-    tag = [FILE] if len(parts) > 1 else []
+    `levels`, by default every one), sorted by key; with `tag`, per element too, its index in
+    FILE. One query per level whatever the number of elements: a chunk of thousands of small
+    files costs a few group-bys, not a query per file."""
     levels = plan.levels if levels is None else levels
+    tags = [FILE] if tag else []
     queries = []
     for level in levels:
-        keys = [*tag, *LEVEL_KEYS[level]]
+        keys = [*tags, *LEVEL_KEYS[level]]
         values = value_columns(level, plan)
         frames = [(index, f) for index, one in enumerate(parts) for f in one[level] if f.height]
         if not frames:
@@ -245,16 +279,7 @@ def _summed(
             .agg(merged(v, rows.schema[v]) for v in values)
             .sort(keys, nulls_last=True)
         )
-    collected = collect_all(queries, ENGINE)
-    if not tag:
-        return [dict(zip(levels, collected, strict=True))]
-    summed: list[dict[str, pl.DataFrame]] = [{} for _ in parts]
-    for level, frame in zip(levels, collected, strict=True):
-        pieces = frame.partition_by(FILE, as_dict=True, include_key=False, maintain_order=True)
-        empty = frame.clear().drop(FILE)
-        for index, one in enumerate(summed):
-            one[level] = pieces.get((index,), empty)
-    return summed
+    return dict(zip(levels, collect_all(queries, ENGINE), strict=True))
 
 
 def _kind(file: TokenFile) -> tuple:
@@ -301,7 +326,7 @@ class PartialStore(Protocol):
 
 #: Any `map`: the builtin, `Executor.map`, or a distributed engine's map over the chunks of
 #: files (Ray, Dask; README "Scaling out"). It must return one result per chunk, in order.
-Mapper = Callable[[Callable[[list[TokenFile]], list[dict[str, pl.DataFrame]]], list], Iterable]
+Mapper = Callable[[Callable[[list[TokenFile]], dict[str, pl.DataFrame]], list], Iterable]
 
 
 @contextmanager
@@ -333,7 +358,7 @@ def scan_tokens(
     mapper: Mapper | None = None,
 ) -> tuple[dict[str, pl.DataFrame], ScanStats]:
     """Every level of the plan over the run's token files: cached partials where a file is
-    unchanged, `chunk_partials` of the others (mapped by `mapper`, by default over WORKERS
+    unchanged, `chunk_tagged` of the others (mapped by `mapper`, by default over WORKERS
     threads), merged; then the run's step range applied."""
     files = token_files(run, plan)
     fingerprint = plan.fingerprint(run.tables["tokens"].schema)
@@ -342,36 +367,45 @@ def scan_tokens(
     )
     split = pieces([f for f, hit in zip(files, cached, strict=True) if not hit])
     todo = chunks(split)
-    # Blocks of FOLD_FILES files' partials summed (`folded`), and the files read since (what
-    # is kept grows with the steps and rollouts, never with the number of files).
+    # Blocks of files' partials folded (`folded`), and the files read since (what is kept
+    # grows with the steps and rollouts, never with the number of files).
     folded: list[Mapping[str, pl.DataFrame]] = [cache.loaded] if cache and cache.loaded else []
     results: list[Mapping[str, pl.DataFrame]] = []
-    # A large file's pieces until its last one is in (a file's partials: the sum of its pieces').
+    in_results = 0  # files
+    # A large file's pieces until its last one is in: a file's partials are the sum of its
+    # pieces', its rows in the run's merge (cached or not) are the file's.
     read: dict[Path, list[Mapping[str, pl.DataFrame]]] = {}
     left = Counter(piece.path for piece in split)
     done, rows_read = sum(cached), 0
     if progress is not None:
         progress(done, len(files))
-    reduce_chunk = partial(chunk_partials, plan=plan)
+    reduce_chunk = partial(chunk_tagged, plan=plan)
     with _arrow_pool(), ThreadPoolExecutor(max_workers=limits.WORKERS) as pool:
-        for chunk, partials in zip(todo, (mapper or pool.map)(reduce_chunk, todo), strict=True):
-            for piece, one in zip(chunk, partials, strict=True):
-                rows_read += int(one[""][ROWS].sum())
-                results.append(one)
-                left[piece.path] -= 1
-                if cache is not None:
+        for chunk, tagged in zip(todo, (mapper or pool.map)(reduce_chunk, todo), strict=True):
+            rows_read += int(tagged[""][ROWS].sum())
+            if cache is None and all(piece.row_groups is None for piece in chunk):
+                results.append(_untagged(tagged))  # whole files, each its own rows
+                in_results += len(chunk)
+                done += len(chunk)
+            if cache is not None or any(piece.row_groups is not None for piece in chunk):
+                for piece, one in zip(chunk, by_file(tagged, len(chunk)), strict=True):
+                    left[piece.path] -= 1
                     read.setdefault(piece.path, []).append(one)
-                    if not left[piece.path]:
-                        parts = read.pop(piece.path)
-                        whole = parts[0] if len(parts) == 1 else merge(parts, plan)
+                    if left[piece.path]:
+                        continue
+                    parts = read.pop(piece.path)
+                    whole = parts[0] if len(parts) == 1 else merge(parts, plan)
+                    if cache is not None:
                         cache.add(replace(piece, row_groups=None), whole)
-                done += not left[piece.path]
-            if len(results) >= limits.FOLD_FILES:
+                    results.append(whole)
+                    in_results += 1
+                    done += 1
+            if in_results >= limits.FOLD_FILES or len(results) >= limits.FOLD_FILES:
                 # The new files' partials held as one apart from what was folded before (a
                 # block's rows, never the whole run's, are hashed while the workers hold their
                 # batches).
                 folded.append(fold(results, plan))
-                results = []
+                results, in_results = [], 0
                 if len(folded) >= limits.FOLD_FILES:
                     folded = [fold(folded, plan)]
             if progress is not None:
@@ -379,7 +413,7 @@ def scan_tokens(
     if cache is not None:
         cache.commit()
     # One file's partials are already summed per key: not summed again.
-    single = not folded and len(results) == 1
+    single = not folded and in_results == 1
     merged = dict(results[0]) if single else merge(folded + results, plan)
     if run.step_range != (None, None):
         merged = {level: frame.filter(run.in_step_range()) for level, frame in merged.items()}

@@ -220,6 +220,7 @@ class TokenFile:
     #: A piece of a large file: these row groups only (None: the whole file). The map stage
     #: reduces pieces; a file's partials are the sum of its pieces'.
     row_groups: tuple[int, ...] | None = None
+    rows: int | None = None  # the whole file's, from its footer at open (None: not known)
 
 
 @dataclass(frozen=True)
@@ -237,9 +238,10 @@ def token_files(run: Run, plan: TokenPlan) -> list[TokenFile]:
     columns = plan.columns(table.schema)
     target = {c: table.schema[c] for c in columns}
     hive = table.file_hive or tuple({} for _ in table.files)
+    rows: tuple[int | None, ...] = table.file_rows or tuple(None for _ in table.files)
     return [
-        TokenFile(path, schema, target, values, stat)
-        for path, schema, values, stat in zip(
-            table.files, table.file_schemas, hive, table.file_stats, strict=True
+        TokenFile(path, schema, target, values, stat, rows=n)
+        for path, schema, values, stat, n in zip(
+            table.files, table.file_schemas, hive, table.file_stats, rows, strict=True
         )
     ]

@@ -17,6 +17,7 @@ from rlscope.exactsum import ENGINE
 from rlscope.reader import INVALID_PREFIX, conform
 from rlscope.tokenscan import limits
 from rlscope.tokenscan.plan import (
+    ENTROPY_MAX_BIN,
     ROWS,
     TokenFile,
     TokenPlan,
@@ -336,20 +337,40 @@ def _per_run(kind: str, values: pl.Series, starts: np.ndarray, lengths: np.ndarr
 
 def _grouped_levels(
     frame: pl.DataFrame, plan: TokenPlan, keys: list[str]
-) -> dict[str, pl.LazyFrame]:
+) -> dict[str, pl.LazyFrame | pl.DataFrame]:
     """Every level of conformed rows grouped by `keys` (["step"], or [FILE, "step"] for
-    several files at once): small or unsorted batches."""
-    queries = _level_queries(frame.lazy(), plan, keys)
-    if "entropy_bins" in plan.partials:
-        (name,) = plan.partials["entropy_bins"]
-        binned = _non_null(frame.select(*keys, "entropy"), "entropy")
-        codes = pl.Series("entropy_bin", entropy_bins(binned["entropy"]))
-        queries["entropy_bins"] = (
-            binned.lazy()
-            .select(*keys, codes)
-            .group_by(*keys, "entropy_bin")
-            .agg(pl.len().cast(pl.Int64).alias(name))
+    several files at once): small or unsorted batches. Float sums go through a hash group-by
+    (a slice's sum would depend on where the slice starts in the batch, so on which files a
+    file is reduced with); the entropy histogram, counts, by runs of rows of equal keys (a
+    file's rows are contiguous, a step's usually too) in one bincount."""
+    queries: dict[str, pl.LazyFrame | pl.DataFrame] = dict(_level_queries(frame.lazy(), plan, keys))
+    if "entropy_bins" not in plan.partials or not frame.height:
+        return queries
+    (name,) = plan.partials["entropy_bins"]
+    columns = []
+    for key in keys:
+        values = frame[key].to_physical()
+        if values.null_count():
+            columns.append(values.is_null().to_numpy())
+            values = values.fill_null(0)
+        columns.append(values.to_numpy())
+    starts = _run_starts(*columns)
+    run = np.repeat(np.arange(starts.size, dtype=np.int64), np.diff(starts, append=frame.height))
+    entropy = frame["entropy"]
+    if entropy.null_count():
+        run = run[entropy.is_not_null().to_numpy()]
+        entropy = entropy.drop_nulls()
+    width = ENTROPY_MAX_BIN + 1
+    tally = np.bincount(run * width + entropy_bins(entropy), minlength=starts.size * width)
+    found = np.flatnonzero(tally)
+    queries["entropy_bins"] = (
+        frame.select(keys)
+        .gather(starts[found // width])
+        .with_columns(
+            pl.Series("entropy_bin", (found % width).astype(np.int32)),
+            pl.Series(name, tally[found].astype(np.int64)),
         )
+    )
     return queries
 
 
