@@ -90,7 +90,8 @@ def chunk_tagged(files: list[TokenFile], plan: TokenPlan) -> dict[str, pl.DataFr
     LEVEL_KEYS): thousands of small files make a few frames, not a few per file. Batches of
     small files are reduced together, keyed by file too, so many small files cost about what
     one large one does. Pure: depends on the files' contents and the plan only."""
-    parts: list[dict[str, list[pl.DataFrame]]] = [{lv: [] for lv in plan.levels} for _ in files]
+    # Each batch's partials, tagged in FILE.
+    parts: dict[str, list[pl.DataFrame]] = {level: [] for level in plan.levels}
     # (file index, its rows as read) or (None, rows of several files tagged in FILE)
     pending: list[tuple[int | None, pl.DataFrame]] = []
     pending_rows = 0
@@ -100,7 +101,7 @@ def chunk_tagged(files: list[TokenFile], plan: TokenPlan) -> dict[str, pl.DataFr
         index, frame = pending[0]
         if len(pending) == 1 and index is not None:
             for level, result in _reduce_rows(_conformed(frame, files[index], plan), plan).items():
-                parts[index][level].append(result)
+                parts[level].append(_tagged([(index, result)]))
         else:
             # Conformed once per kind of file (types, hive values), not file by file.
             kinds: dict[tuple, list[pl.DataFrame]] = {}
@@ -113,11 +114,8 @@ def chunk_tagged(files: list[TokenFile], plan: TokenPlan) -> dict[str, pl.DataFr
                 for same in kinds.values()
             ]
             rows = pl.concat(conformed, how="diagonal_relaxed")  # flags only where NaN/inf
-            levels = _collect([_grouped_levels(rows, plan, [FILE, "step"])])
-            for level, result in levels.items():
-                pieces = result.partition_by(FILE, as_dict=True, include_key=False)
-                for (index,), piece in pieces.items():
-                    parts[int(index)][level].append(piece)
+            for level, result in _collect([_grouped_levels(rows, plan, [FILE, "step"])]).items():
+                parts[level].append(result)
         pending.clear()
         pending_rows = 0
 
@@ -133,7 +131,7 @@ def chunk_tagged(files: list[TokenFile], plan: TokenPlan) -> dict[str, pl.DataFr
             reduce_pending()
     if pending:
         reduce_pending()
-    return _summed(parts, plan, tag=True)
+    return _summed([parts], plan, tagged=True)
 
 
 def by_file(tagged: Mapping[str, pl.DataFrame], count: int) -> list[dict[str, pl.DataFrame]]:
@@ -250,19 +248,18 @@ def _summed(
     plan: TokenPlan,
     levels: Sequence[str] | None = None,
     *,
-    tag: bool = False,
+    tagged: bool = False,
 ) -> dict[str, pl.DataFrame]:
-    """Each element's frames (a file's, or every file's) summed per key of their level (of
-    `levels`, by default every one), sorted by key; with `tag`, per element too, its index in
-    FILE. One query per level whatever the number of elements: a chunk of thousands of small
-    files costs a few group-bys, not a query per file."""
+    """Every element's frames (a file's, or every file's) summed per key of their level (of
+    `levels`, by default every one), sorted by key; `tagged` frames per file too (FILE). One
+    query per level whatever the number of elements: a chunk of thousands of small files
+    costs a few group-bys, not a query per file."""
     levels = plan.levels if levels is None else levels
-    tags = [FILE] if tag else []
     queries = []
     for level in levels:
-        keys = [*tags, *LEVEL_KEYS[level]]
+        keys = [FILE, *LEVEL_KEYS[level]] if tagged else list(LEVEL_KEYS[level])
         values = value_columns(level, plan)
-        frames = [(index, f) for index, one in enumerate(parts) for f in one[level] if f.height]
+        frames = [f for one in parts for f in one[level] if f.height]
         if not frames:
             schema = {k: pl.Int32 if k == FILE else _KEY_TYPES[k] for k in keys}
             queries.append(pl.LazyFrame(schema=schema | {v: pl.Float64 for v in values}))
@@ -270,15 +267,14 @@ def _summed(
         # Concatenated eagerly (cheap for small frames), then widened in one select: a lazy
         # select per frame would cost more to plan than to run. Keys are unified first (a
         # categorical segment in one file, an enum in another have no common type).
-        typed = [(index, _key_typed(f, LEVEL_KEYS[level])) for index, f in frames]
-        rows = _tagged(typed) if tag else pl.concat([f for _, f in typed], how="diagonal_relaxed")
-        queries.append(
-            rows.lazy()
-            .select(*keys, *(_widen(v, rows.schema[v]) for v in values))
-            .group_by(keys)
-            .agg(merged(v, rows.schema[v]) for v in values)
-            .sort(keys, nulls_last=True)
-        )
+        typed = [_key_typed(f, LEVEL_KEYS[level]) for f in frames]
+        rows = pl.concat(typed, how="diagonal_relaxed")
+        query = rows.lazy().select(*keys, *(_widen(v, rows.schema[v]) for v in values))
+        # Rows already one per key (a chunk of small files, each read in one batch) are only
+        # widened and sorted: the sum of one value is that value.
+        if not tagged or rows.select(keys).is_duplicated().any():
+            query = query.group_by(keys).agg(merged(v, rows.schema[v]) for v in values)
+        queries.append(query.sort(keys, nulls_last=True))
     return dict(zip(levels, collect_all(queries, ENGINE), strict=True))
 
 

@@ -355,17 +355,25 @@ def _grouped_levels(
             values = values.fill_null(0)
         columns.append(values.to_numpy())
     starts = _run_starts(*columns)
-    run = np.repeat(np.arange(starts.size, dtype=np.int64), np.diff(starts, append=frame.height))
+    # Runs of one key (a key's rows may come in several runs when unsorted) -> its group.
+    firsts, group = np.unique(
+        np.stack([c[starts].astype(np.int64) for c in columns], axis=1),
+        axis=0,
+        return_index=True,
+        return_inverse=True,
+    )[1:]
+    lengths = np.diff(starts, append=frame.height)
+    row_group = np.repeat(group.reshape(-1).astype(np.int64), lengths)
     entropy = frame["entropy"]
     if entropy.null_count():
-        run = run[entropy.is_not_null().to_numpy()]
+        row_group = row_group[entropy.is_not_null().to_numpy()]
         entropy = entropy.drop_nulls()
     width = ENTROPY_MAX_BIN + 1
-    tally = np.bincount(run * width + entropy_bins(entropy), minlength=starts.size * width)
+    tally = np.bincount(row_group * width + entropy_bins(entropy), minlength=firsts.size * width)
     found = np.flatnonzero(tally)
     queries["entropy_bins"] = (
         frame.select(keys)
-        .gather(starts[found // width])
+        .gather(starts[firsts[found // width]])
         .with_columns(
             pl.Series("entropy_bin", (found % width).astype(np.int32)),
             pl.Series(name, tally[found].astype(np.int64)),
