@@ -1,6 +1,6 @@
 """Analyse a run with the per-file token reduction on other workers (processes, Ray or Dask).
 
-rlscope's token scan is a map over chunks of token files (`tokenscan.chunk_partials`, a pure
+rlscope's token scan is a map over chunks of token files (`tokenscan.chunk_tagged`, a pure
 function of the files and the plan, returning small per-step partials) and a merge by
 summation on the driver. Any engine with a `map` can run the first half; rlscope never needs
 it installed, and nothing here is a scheduler of its own:
