@@ -286,6 +286,9 @@ def ray_head() -> Iterator[tuple[str, Path]]:
             f"--dashboard-port={_free_port()}",
             f"--dashboard-agent-listen-port={_free_port()}",
             "--object-store-memory=100000000",
+            # workers on ports of the OS's choosing (not 10002-19999, which another head shares)
+            "--min-worker-port=0",
+            "--max-worker-port=0",
             f"--temp-dir={temp}",
             "--disable-usage-stats",
         ],
