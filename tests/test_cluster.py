@@ -302,7 +302,10 @@ def ray_head() -> Iterator[tuple[str, Path]]:
     )
     try:
         deadline = time.monotonic() + 120
-        while "Ray runtime started" not in (temp / "head.log").read_text():
+        # Started, and its client server listening (it opens its port a moment after)
+        while "Ray runtime started" not in (temp / "head.log").read_text() or not _listens(
+            client_port
+        ):
             if head.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the Ray head did not start:\n{(temp / 'head.log').read_text()}")
             time.sleep(0.5)
@@ -311,6 +314,14 @@ def ray_head() -> Iterator[tuple[str, Path]]:
         _end_group(head)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def _end_group(head: subprocess.Popen[Any]) -> None:
