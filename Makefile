@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-slow test-all lint format docs samples bench clean
 
-# The test stack (ruff, mypy, pytest, duckdb, dask…); `make demo` needs only rlscope.
+# The test stack (ruff, mypy, pytest, duckdb, dask, ray[client]…); `make demo` needs only rlscope.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip

@@ -6,7 +6,7 @@ summation on the driver. Any engine with a `map` can run the first half; rlscope
 it installed, and nothing here is a scheduler of its own:
 
     python examples/scale_out.py RUN --engine process   # a local process pool (no cluster)
-    python examples/scale_out.py RUN --engine ray       # ray.init() or RAY_ADDRESS's cluster
+    python examples/scale_out.py RUN --engine ray       # RAY_ADDRESS's cluster, else a local one
     python examples/scale_out.py RUN --engine dask      # dask.distributed, local or DASK_SCHEDULER
 
 The workers must see the run's files at the same paths (a shared filesystem or object store
@@ -35,13 +35,18 @@ def process_map(task: Task, chunks: list[Any]) -> Iterable[Any]:
         return list(pool.map(task, chunks))
 
 
+def apply(task: Task, chunk: Any) -> Any:
+    """`task` on `chunk`: Ray remotes plain functions, and the task is a partial."""
+    return task(chunk)
+
+
 def ray_map(task: Task, chunks: list[Any]) -> Iterable[Any]:
     import ray  # optional, not an rlscope dependency
 
     if not ray.is_initialized():
-        ray.init()
-    remote = ray.remote(task)
-    return ray.get([remote.remote(chunk) for chunk in chunks])
+        ray.init()  # RAY_ADDRESS's cluster (ray://HEAD:10001 through Ray Client), else a local one
+    remote, shared = ray.remote(apply), ray.put(task)  # the task (the plan) sent once
+    return ray.get([remote.remote(shared, chunk) for chunk in chunks])
 
 
 def dask_map(task: Task, chunks: list[Any]) -> Iterable[Any]:

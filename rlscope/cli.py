@@ -81,8 +81,9 @@ ImportOption = Annotated[
 SchedulerOption = Annotated[
     str | None,
     typer.Option(
-        help="Run the token map on this Dask scheduler (tcp://HOST:8786; default: "
-        "$RLSCOPE_SCHEDULER, else in process). Workers must see the run's files at the same paths.",
+        help="Run the token map on this cluster: a Dask scheduler (tcp://HOST:8786) or a Ray "
+        "head's client server (ray://HOST:10001); default: $RLSCOPE_SCHEDULER, else in process. "
+        "Workers must see the run's files at the same paths.",
         metavar="ADDRESS",
     ),
 ]
