@@ -182,6 +182,7 @@ def test_rollouts_split_across_batches_overcount_within_the_stated_bound(
     run = write_run({"rollouts": rollouts_of(tokens), "tokens": tokens})
     exact, _ = scan_tokens(open_run(run), plan_for(run))
     monkeypatch.setattr(limits, "BATCH_ROWS", 97)
+    monkeypatch.setattr(limits, "POOL_ROWS", 97)  # a small file's batches reduced apart
     batched, _ = scan_tokens(open_run(run), plan_for(run))
     boundaries = tokens["step"].size // 97
     over = batched["segments"]["seg_rollouts"] - exact["segments"]["seg_rollouts"]

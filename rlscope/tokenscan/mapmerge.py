@@ -121,13 +121,13 @@ def chunk_tagged(files: list[TokenFile], plan: TokenPlan) -> dict[str, pl.DataFr
 
     for index, batch in _reads(files):
         # A batch large enough for the run-by-run path is reduced alone; small ones (of
-        # small files) are pooled up to BATCH_ROWS.
+        # small files) are pooled up to POOL_ROWS.
         alone = index is not None and batch.height >= limits.MIN_STEP_RUN_ROWS
         if alone and pending:
             reduce_pending()
         pending.append((index, batch))
         pending_rows += batch.height
-        if alone or pending_rows >= limits.BATCH_ROWS:
+        if alone or pending_rows >= limits.POOL_ROWS:
             reduce_pending()
     if pending:
         reduce_pending()
