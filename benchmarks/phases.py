@@ -43,7 +43,7 @@ rlscope.engine.SOURCES = sources.SOURCES
 rlscope.analysis.analyze(sys.argv[1], use_cache=False)
 end = clock()
 total = [end[0] - marks["imports"][0], end[1] - marks["imports"][1]]
-phases = {"imports": [marks["imports"][0] - marks["start"][0], marks["imports"][1] - marks["start"][1]]}
+phases = {"imports": [marks["imports"][i] - marks["start"][i] for i in (0, 1)]}
 phases.update(spent)
 phases["series, results, findings"] = [total[i] - sum(v[i] for v in spent.values()) for i in (0, 1)]
 print(json.dumps(phases))
