@@ -50,11 +50,33 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
     section = text.split("## File layouts")[1].split("\n## ")[0]
     laid = [line for line in section.splitlines() if line.startswith("| ")]
     assert len(laid) == 1 + 4  # the header, then a row per layout
-    assert all(len(line.strip("|").split("|")) == 11 for line in laid)
+    assert all(len(line.strip("|").split("|")) == 13 for line in laid)  # with the step sums
     assert int(cells[1]) >= 2  # token files
     # The incremental table: after appending one file, exactly one file was read.
     incremental = text.split("## Incremental re-analysis")[1].split("\n## ")[0]
     assert incremental.rstrip().splitlines()[-1].rstrip("|").split("|")[-1].strip() == "1"
+    # --only-layouts rewrites that section alone, in place.
+    before = text.split("## File layouts")
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_analyze.py"),
+            "--only-layouts",
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+            "--cache",
+            str(tmp_path / "runs"),
+            "--layout-tokens",
+            "1000000",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    after = out.read_text().split("## File layouts")
+    assert after[0] == before[0] and after[1].split("\n## ", 1)[1] == before[1].split("\n## ", 1)[1]
+    assert len([line for line in after[1].splitlines() if line.startswith("| ")]) == 1 + 4
 
 
 def test_the_report_benchmark_replaces_its_own_section_only(tmp_path: Path) -> None:
