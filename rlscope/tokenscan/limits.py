@@ -5,12 +5,10 @@ from __future__ import annotations
 #: Rows read and reduced at a time (slices of row groups), and at most this many decoded bytes
 #: of the columns read: the working set is rows in flight, whatever the file's layout (a
 #: 64Mi-row row group is read a slice at a time, never whole). The per-batch sums run on the
-#: in-memory engine (rlscope.exactsum), whose temporaries are a batch's: 12 MiB batches
-#: (~300k rows of the 9 token columns) peaked 0.05-0.06 GiB lower than 24 MiB ones (400k rows)
-#: but scanned rlscope's own files 6% slower, and the 1B-token run went from 1.11x to 1.21x
-#: the bare scan.
+#: in-memory engine (rlscope.exactsum), whose temporaries are a batch's: 12 MiB batches peaked
+#: 0.05-0.06 GiB lower than 24 MiB ones at the same speed (200M tokens, 3 workers).
 BATCH_ROWS = 400_000
-BATCH_BYTES = 24 * 2**20
+BATCH_BYTES = 12 * 2**20
 #: Rows of consecutive small files reduced together (200k rows: 0.09 GiB lower than 400k over
 #: 20k files of 10k rows, at the same speed).
 POOL_ROWS = 200_000
