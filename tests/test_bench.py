@@ -15,16 +15,13 @@ pytest.importorskip("duckdb")
 
 
 @pytest.mark.slow  # 12 s; the report benchmark's test stays in the fast suite
-def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None:
-    out = tmp_path / "RESULTS.md"
-    other = "## report against analyze / compare\n\nbench_report.py's table\n"
-    out.write_text("# rlscope analyze benchmark\n\nold\n\n## File layouts\n\nold\n\n" + other)
+def _bench_analyze(out: Path, tmp_path: Path, *args: str) -> None:
+    """benchmarks/bench_analyze.py on tiny runs (kept in tmp_path), one run each, into `out`."""
     subprocess.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "bench_analyze.py"),
-            "--tokens",
-            "2500000",
+            *args,
             "--repeat",
             "1",
             "--out",
@@ -37,6 +34,13 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
         check=True,
         capture_output=True,
     )
+
+
+def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None:
+    out = tmp_path / "RESULTS.md"
+    other = "## report against analyze / compare\n\nbench_report.py's table\n"
+    out.write_text("# rlscope analyze benchmark\n\nold\n\n## File layouts\n\nold\n\n" + other)
+    _bench_analyze(out, tmp_path, "--tokens", "2500000")
     text = out.read_text()
     assert "| token rows | files | page cache | analyze (s)" in text
     assert text.endswith("\n\n" + other) and text.count("## File layouts") == 1  # its own kept
@@ -57,23 +61,7 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
     assert incremental.rstrip().splitlines()[-1].rstrip("|").split("|")[-1].strip() == "1"
     # --only-layouts rewrites that section alone, in place.
     before = text.split("## File layouts")
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_analyze.py"),
-            "--only-layouts",
-            "--repeat",
-            "1",
-            "--out",
-            str(out),
-            "--cache",
-            str(tmp_path / "runs"),
-            "--layout-tokens",
-            "1000000",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    _bench_analyze(out, tmp_path, "--only-layouts")
     after = out.read_text().split("## File layouts")
     assert after[0] == before[0] and after[1].split("\n## ", 1)[1] == before[1].split("\n## ", 1)[1]
     assert len([line for line in after[1].splitlines() if line.startswith("| ")]) == 1 + 4
