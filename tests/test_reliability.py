@@ -574,9 +574,13 @@ def test_writer_killed_50_times(tmp_path: Path) -> None:
             for round_ in range(KILL_ROUNDS):
                 mine = sorted(i - round_ * 10**8 for i in ids if i // 10**8 == round_)
                 assert mine == list(range(len(mine))), (seed, folder, round_)
-        if (run_dir / "rollouts").exists():
+        rollouts = run_dir / "rollouts"
+        if any(p.suffix == ".parquet" for p in rollouts.glob("[!.]*")):
             report = rlscope.analyze(run_dir)  # the crashed run is readable
             assert report.run.n_rollouts % KILL_FLUSH == 0
+        elif rollouts.exists():  # killed before its first rollouts file was renamed into place
+            with pytest.raises(rlscope.RlscopeError, match="no `rollouts` table"):
+                rlscope.analyze(run_dir)
     print(f"writer killed {kills} times in {elapsed:.1f}s, every run dir intact (seed={seed})")
 
 
