@@ -22,10 +22,15 @@ def ordered_sum(values: pl.Expr) -> pl.Expr:
     come in any order (files, workers, a warm or cold cache, a group-by's output) give the
     same bits. `sort().sum()` would not do: Polars drops a sort before an aggregation that
     ignores order."""
-    return values.sort().cum_sum().last().fill_null(0.0)
+    return _sorted_total(values).fill_null(0.0)
 
 
 def ordered_mean(values: pl.Expr) -> pl.Expr:
-    """The mean of `values` (nulls skipped) summed in sorted order (see `ordered_sum`): one
-    run gave 0.8251953125 and the next 0.8251953125000001 on the same data with `mean()`."""
-    return values.sort().cum_sum().last() / values.count()
+    """The mean of `values` (nulls skipped; null when there are none) summed in sorted order
+    (see `ordered_sum`): one run gave 0.8251953125 and the next 0.8251953125000001 on the same
+    data with `mean()`."""
+    return _sorted_total(values) / values.count()
+
+
+def _sorted_total(values: pl.Expr) -> pl.Expr:
+    return values.sort().cum_sum().last()

@@ -383,7 +383,7 @@ def scan_tokens(
                 results.append(_untagged(tagged))  # whole files, each its own rows
                 in_results += len(chunk)
                 done += len(chunk)
-            if cache is not None or any(piece.row_groups is not None for piece in chunk):
+            else:
                 for piece, one in zip(chunk, by_file(tagged, len(chunk)), strict=True):
                     left[piece.path] -= 1
                     read.setdefault(piece.path, []).append(one)

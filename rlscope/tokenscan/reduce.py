@@ -407,10 +407,6 @@ def _step_levels(piece: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame
     return levels
 
 
-def _non_null(frame: pl.DataFrame, column: str) -> pl.DataFrame:
-    return frame.filter(pl.col(column).is_not_null()) if frame[column].null_count() else frame
-
-
 def _collect(
     levels: Sequence[Mapping[str, pl.LazyFrame | pl.DataFrame]],
 ) -> dict[str, pl.DataFrame]:
