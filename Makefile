@@ -23,8 +23,9 @@ demo: $(CORE)
 	$(BIN)/rlscope analyze sample_logs/healthy --fail-on never
 	$(BIN)/rlscope analyze sample_logs/entropy-collapse --fail-on never
 
-# Tests in a process per core (pytest-xdist), at most 4: each holds up to ~0.7 GiB.
-PYTEST := $(BIN)/python -m pytest -n auto --maxprocesses 4
+# Tests in a process per core (pytest-xdist), at most 4: each holds up to ~0.7 GiB; -rs prints
+# why each skipped test skipped.
+PYTEST := $(BIN)/python -m pytest -n auto --maxprocesses 4 -rs
 
 test: $(STAMP)
 	$(BIN)/ruff check rlscope tests examples benchmarks

@@ -29,6 +29,9 @@ CheckSeries = Callable[..., None]
 #: trainers in tests/trainers run with it.
 TRL_PYTHON = os.environ.get("RLSCOPE_TRL_PYTHON", "")
 TRAINERS = Path(__file__).parent / "trainers"
+#: Genuine trainer output (each folder's README says how it was made): kept in the repository
+#: so that every clone tests the same thing.
+GENUINE = Path(__file__).parent / "genuine"
 
 
 def run_trainer(

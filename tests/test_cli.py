@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import GENUINE
 from conftest import run_cli as rlscope
 
 from rlscope.synth import generate
@@ -425,15 +426,13 @@ def test_metrics_and_explain_as_json() -> None:
     assert rlscope("metrics", "-f", "xml").returncode == 2
 
 
-TRL_REAL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "trl-real"
+TRL_REAL = GENUINE / "trl-real"
 
 
 def test_from_works_on_compare_check_and_report(tmp_path: Path) -> None:
     """`--from FORMAT --option K=V` imports a trainer's output for every command that reads a
     run, as for analyze (the real TRL fixtures, imported into the isolated cache)."""
     healthy, sick = TRL_REAL / "healthy", TRL_REAL / "lr-too-high"
-    if not sick.is_dir():
-        pytest.skip(f"{sick} is absent (shared fixtures sit beside the checkout)")
     source = ("--from", "trl", "--option", "correct_column=accuracy_reward")
     compared = rlscope("compare", str(healthy), str(sick), *source, "-f", "json")
     assert compared.returncode == 0, compared.stderr

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import GENUINE
 from conftest import run_cli as rlscope
 
 from rlscope.analysis import analyze
@@ -346,10 +347,9 @@ def test_the_reward_is_not_compared_between_runs_with_other_reward_weights() -> 
     assert compare_reports([base, same]).metrics["signal.reward"].runs[1].verdict == "worse"
 
 
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "trl-real"
+FIXTURES = GENUINE / "trl-real"
 
 
-@pytest.mark.skipif(not FIXTURES.is_dir(), reason="../shared/fixtures/trl-real is absent")
 def test_compare_on_genuine_trl_runs_leads_with_the_task(tmp_path: Path) -> None:
     """lr-too-high against healthy (genuine TRL runs, imported as `--from trl` does): the
     verdict leads with the collapse of the task (pass@1, pass@k, reward worse), and higher

@@ -17,6 +17,7 @@ from typing import Any
 
 import polars as pl
 import pytest
+from conftest import GENUINE
 
 import rlscope
 from rlscope.integrations.trl import STEP_KEYS, RlscopeCallback
@@ -24,10 +25,7 @@ from rlscope.integrations.trl import STEP_KEYS, RlscopeCallback
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 #: A real TRL 1.16 GRPOTrainer output (completions + trainer_state.json), where available.
-TRL_FIXTURES = (
-    ROOT / "tests" / "fixtures" / "trl-tiny-grpo",
-    ROOT.parent / "shared" / "fixtures" / "trl-tiny-grpo",
-)
+TRL_FIXTURE = GENUINE / "trl-tiny-grpo"
 
 
 def load_example(name: str) -> ModuleType:
@@ -353,12 +351,10 @@ def test_callback_rejects_unknown_run_meta(tmp_path: Path) -> None:
         RlscopeCallback(tmp_path, eval_split="validation")
 
 
-@pytest.mark.parametrize("fixture", [p for p in TRL_FIXTURES if p.is_dir()][:1] or [None])
-def test_callback_replays_a_real_trl_run(tmp_path: Path, fixture: Path | None) -> None:
+def test_callback_replays_a_real_trl_run(tmp_path: Path) -> None:
     """TRL's completion tables are written from the same `_logs` buffers the callback reads:
     replaying them (with trainer_state.json's log history) must reproduce TRL's own numbers."""
-    if fixture is None:
-        pytest.skip("the trl-tiny-grpo fixture (a real TRL GRPOTrainer output) is not available")
+    fixture = TRL_FIXTURE
     names = ("accuracy_reward", "format_reward")
     trainer = make_trainer(size=32, g=8, names=names)
     callback = RlscopeCallback(tmp_path / "run", trainer=trainer, correct_reward="accuracy_reward")

@@ -13,6 +13,7 @@ from typing import Any
 
 import polars as pl
 import pytest
+from conftest import GENUINE
 
 import rlscope
 from rlscope.errors import RlscopeError
@@ -26,8 +27,7 @@ from rlscope.importers.text import (
 )
 from rlscope.reader import open_run
 
-TRL_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "trl-tiny-grpo"
-needs_trl = pytest.mark.skipif(not TRL_FIXTURE.is_dir(), reason="TRL fixture not present")
+TRL_FIXTURE = GENUINE / "trl-tiny-grpo"
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -125,7 +125,6 @@ def test_text_helpers() -> None:
 # --- TRL: the real fixture ----------------------------------------------------------------
 
 
-@needs_trl
 def test_trl_fixture_agrees_with_trl_logs(tmp_path: Path) -> None:
     """TRL 1.16 numbers completions files and log_history by the same global_step (both are
     written in `log()` after the optimizer step, from the batch that step trained on), so the
@@ -189,7 +188,6 @@ def test_trl_fixture_agrees_with_trl_logs(tmp_path: Path) -> None:
     assert steps["lr"][0] == pytest.approx(0.001)
 
 
-@needs_trl
 def test_trl_incremental(tmp_path: Path) -> None:
     """A growing TRL output dir: first 100 completions files and a trainer_state of 90 steps,
     then everything; the re-import appends only the new steps of each table."""

@@ -17,19 +17,15 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import run_cli, run_trainer
+from conftest import GENUINE, run_cli, run_trainer
 
 import rlscope
 from rlscope.importers import import_run
 from rlscope.reader import open_run
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = GENUINE
 TINY = FIXTURES / "trl-tiny-grpo"
 HEALTHY = FIXTURES / "trl-real" / "healthy"
-needs_tiny = pytest.mark.skipif(not TINY.is_dir(), reason="../shared/fixtures/trl-tiny-grpo absent")
-needs_healthy = pytest.mark.skipif(
-    not HEALTHY.is_dir(), reason="../shared/fixtures/trl-real/healthy absent"
-)
 
 
 def value(report: rlscope.Report, metric: str) -> float | None:
@@ -131,7 +127,6 @@ def acc_fmt(accs: list[float], fmt: float = 0.5) -> list[dict[str, float | None]
 # --- item 10: correctness ----------------------------------------------------------------
 
 
-@needs_tiny
 def test_tiny_grpo_correct_from_accuracy_reward(tmp_path: Path) -> None:
     """No options: correctness = accuracy_reward > 0 (before: reward > 0 counted every
     formatted wrong answer, pass@1 0.93 and pass@k 1.0 in the final window)."""
@@ -156,7 +151,6 @@ def test_tiny_grpo_correct_from_accuracy_reward(tmp_path: Path) -> None:
     assert "correct" not in run.derived_columns("rollouts")
 
 
-@needs_healthy
 def test_healthy_pass_at_1_is_accuracy(tmp_path: Path) -> None:
     """trl-real/healthy: pass@1 in the final window = TRL's rewards/accuracy_reward/mean
     (0.9258 in its README), all-correct groups 0.6438 (before: 0.9914 and 0.9313)."""
@@ -218,7 +212,6 @@ def test_single_reward_function_and_ambiguous_names(tmp_path: Path) -> None:
 # --- item 11: reward columns --------------------------------------------------------------
 
 
-@needs_tiny
 def test_log_extra_numeric_column_not_summed(tmp_path: Path) -> None:
     """A numeric log_extra column (TRL writes it between the reward functions and
     `advantage`) is not a reward function: trainer_state.json has no rewards/<name>/mean for
@@ -348,7 +341,6 @@ def test_eval_rows_in_train_file_left_out(tmp_path: Path) -> None:
 # --- provenance shown by every command reading the imported directory ---------------------
 
 
-@needs_tiny
 def test_provenance_in_analyze_text_json_and_html(tmp_path: Path) -> None:
     out = tmp_path / "out"
     import_run("trl", TINY, out)
@@ -367,11 +359,7 @@ def test_provenance_in_analyze_text_json_and_html(tmp_path: Path) -> None:
 def test_reward_weights_inferred_from_log_history(tmp_path: Path) -> None:
     """format-weighted-groupnorm ran with reward_weights=[0.125, 4.0]: solved exactly from
     log_history, so the recomputed reward equals TRL's logged one with no option given."""
-    source = (
-        Path(__file__).resolve().parents[2] / "shared/fixtures/trl-real/format-weighted-groupnorm"
-    )
-    if not source.is_dir():
-        pytest.skip(f"{source} is absent")
+    source = GENUINE / "trl-real/format-weighted-groupnorm"
     from rlscope.analysis import analyze
 
     report = analyze(source, from_format="trl", cache_dir=tmp_path, metrics=["signal.reward"])
@@ -394,7 +382,6 @@ def test_an_importer_revision_never_reuses_an_older_import(
     assert cache.import_cache_dir("trl", tmp_path, {}, root=tmp_path) != before
 
 
-@needs_tiny
 def test_a_trl_dir_named_like_a_pattern_imports(tmp_path: Path) -> None:
     """TRL output under `runs/lr=1e-5 [a]*/`: its files are read by their literal paths, with
     no column taken from the `key=value` folder."""
@@ -408,7 +395,6 @@ def test_a_trl_dir_named_like_a_pattern_imports(tmp_path: Path) -> None:
     assert a.columns == b.columns and a.height == b.height > 0
 
 
-@needs_healthy
 def test_a_reused_import_reports_the_notes_of_the_first(tmp_path: Path) -> None:
     """The notes say how the source was read (group size inferred, lengths counted in words);
     an analysis that reuses the cached import reads no file again, and still reports them."""

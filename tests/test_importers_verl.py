@@ -10,19 +10,15 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from conftest import GENUINE
 
 from rlscope.analysis import analyze
 from rlscope.errors import RlscopeError
 from rlscope.importers import import_run
 from rlscope.reader import open_run
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "verl-dapo"
+FIXTURE = GENUINE / "verl-dapo"
 DUMPS = FIXTURE / "run" / "rollout_data"
-
-
-def needs_fixture() -> None:
-    if not FIXTURE.is_dir():
-        pytest.skip(f"{FIXTURE} is absent (shared fixtures sit beside the checkout)")
 
 
 def metrics_log(path: Path, data: dict[str, float], steps: int = 3) -> Path:
@@ -48,7 +44,6 @@ def imported(tmp_path: Path, version: str, **options: str) -> Path:
 
 
 def test_groups_equal_verls_uids_except_repeated_prompts(tmp_path: Path) -> None:
-    needs_fixture()
     out = tmp_path / "run"
     result = import_run("verl", DUMPS, out)
     rollouts = table(out, "rollouts").with_columns((pl.col("rollout_id") % 1_000_000).alias("line"))
@@ -90,7 +85,6 @@ def test_uid_of_verl_0_9_is_the_group(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("version", ["0.5", "0.6", "0.7", "head"])
 def test_no_false_alarm_from_any_metrics_file(tmp_path: Path, version: str) -> None:
-    needs_fixture()
     report = analyze(imported(tmp_path, version))
     found = {f.id: f for f in report.findings}
     assert "kl-stalled" not in found and "format-violations" not in found
@@ -116,7 +110,6 @@ def test_no_false_alarm_from_any_metrics_file(tmp_path: Path, version: str) -> N
 
 
 def test_nan_grad_norm_reaches_the_steps_table(tmp_path: Path) -> None:
-    needs_fixture()
     out = tmp_path / "m"
     import_run("verl-metrics", FIXTURE / "metrics-verl-head.jsonl", out)
     steps = table(out, "steps").sort("step")
@@ -125,7 +118,6 @@ def test_nan_grad_norm_reaches_the_steps_table(tmp_path: Path) -> None:
 
 
 def test_kl_loss_scale_and_version_semantics(tmp_path: Path) -> None:
-    needs_fixture()
     runs = {}
     for version, options in (("0.5", {}), ("0.6", {"verl_version": "0.6", "kl_loss_scale": "16"})):
         out = tmp_path / version

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pytest
-from conftest import final_window
+from conftest import GENUINE, final_window
 
 from rlscope.analysis import analyze
 from rlscope.engine import compute
@@ -648,12 +648,9 @@ def test_a_heavy_auxiliary_term_without_group_scaling_is_found(write_run: WriteR
     assert "auxiliary-reward-dominates" not in {f.id for f in fair.findings}
 
 
-WEIGHTED = (
-    Path(__file__).resolve().parents[2] / "shared/fixtures/trl-real/format-weighted-groupnorm"
-)
+WEIGHTED = GENUINE / "trl-real/format-weighted-groupnorm"
 
 
-@pytest.mark.skipif(not WEIGHTED.is_dir(), reason="../shared/fixtures/trl-real absent")
 def test_advantage_share_reconstructed_equals_trls_own_advantages(tmp_path: Path) -> None:
     """On a genuine TRL run (format weighted 32x accuracy, group std scaling): the shares from
     TRL's logged advantages and those reconstructed from the rewards with run.json's

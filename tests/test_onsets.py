@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import run_trainer, trainer_constant
+from conftest import GENUINE, run_trainer, trainer_constant
 
 from rlscope.analysis import analyze
 from rlscope.catalog import default_catalog
@@ -27,15 +27,12 @@ from rlscope.rules.base import Series, changed_at, halfway_step
 from rlscope.spec import Finding
 
 RULES = default_catalog().rules
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = GENUINE
 TRL = {"correct_column": "accuracy_reward"}
 
 
 def _fixture(name: str) -> Path:
-    source = FIXTURES / name
-    if not source.exists():
-        pytest.skip(f"{source} is absent (shared fixtures sit beside the checkout)")
-    return source
+    return FIXTURES / name
 
 
 # --- causes and consequences: hand-made findings ----------------------------------------------

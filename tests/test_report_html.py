@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import GENUINE
 from conftest import run_cli as rlscope
 
 from rlscope.analysis import analyze
@@ -240,21 +241,19 @@ def test_report_output_errors_come_before_any_analysis(
     assert missing.returncode == 2 and "no such folder" in missing.stderr
 
 
-TRL_RUN = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "trl-real" / "lr-too-high"
+TRL_RUN = GENUINE / "trl-real" / "lr-too-high"
 SHOTS = Path(__file__).resolve().parent.parent / ".screenshots"  # gitignored: for a person
 
 
 @pytest.fixture(scope="module")
 def pages(runs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The report of one run, of two runs, and of the real TRL fixture (when present)."""
+    """The report of one run, of two runs, and of the real TRL fixture."""
     folder = tmp_path_factory.mktemp("pages")
-    out = {
+    return {
         "one": write_report([runs[1]], folder / "one.html"),
         "two": write_report(list(runs), folder / "two.html"),
+        "trl": write_report([TRL_RUN], folder / "trl.html", from_format="trl"),
     }
-    if TRL_RUN.is_dir():
-        out["trl"] = write_report([TRL_RUN], folder / "trl.html", from_format="trl")
-    return out
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
@@ -268,8 +267,6 @@ def test_report_layout_in_chromium(
     screenshot of each is kept in .screenshots/ for a person to look at."""
     from chromium import LAYOUT, Browser
 
-    if name not in pages:
-        pytest.skip(f"{TRL_RUN} is absent (shared fixtures sit beside the checkout)")
     with Browser(tmp_path / "profile") as browser:
         page = browser.open(pages[name].as_uri(), width)
         facts = page.evaluate(LAYOUT)

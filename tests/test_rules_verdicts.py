@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from conftest import GENUINE
 
 from rlscope.analysis import analyze
 from rlscope.catalog import default_catalog
@@ -482,7 +483,7 @@ def test_empty_step_selection_is_an_error(write_run) -> None:
 
 # --- the real fixtures' verdicts ---------------------------------------------------------------
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = GENUINE
 
 
 def _verdict(tmp_path: Path, source: Path) -> list[tuple[str, str]]:
@@ -514,8 +515,6 @@ REAL_VERDICTS = {
 @pytest.mark.parametrize("name", sorted(REAL_VERDICTS))
 def test_real_fixture_verdicts(tmp_path: Path, name: str) -> None:
     source = FIXTURES / name
-    if not source.is_dir():
-        pytest.skip(f"{source} is absent (shared fixtures sit beside the checkout)")
     assert _verdict(tmp_path, source) == REAL_VERDICTS[name]
 
 

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import GENUINE
 from typer.testing import CliRunner
 
 from rlscope.analysis import analyze
@@ -17,7 +18,7 @@ from rlscope.importers._common import StepRows
 from rlscope.reader import open_run
 
 runner = CliRunner()
-FIXTURE = Path(__file__).resolve().parents[2] / "shared/fixtures/verl-dapo/metrics-verl-0.5.jsonl"
+FIXTURE = GENUINE / "verl-dapo/metrics-verl-0.5.jsonl"
 
 
 def _steps(n: int = 30, *, nan_at: int | None = None, **overrides: float) -> list[dict]:
@@ -183,7 +184,6 @@ def test_trl_reward_key_keeps_its_name() -> None:
     assert row["raw_response_len"] == 3.0  # unmapped, reserved: not taken as tokens
 
 
-@pytest.mark.skipif(not FIXTURE.is_file(), reason="shared verl fixture not present")
 def test_smoke_verl_metrics_fixture(tmp_path: Path) -> None:
     result = runner.invoke(
         app,
