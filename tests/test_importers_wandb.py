@@ -23,6 +23,7 @@ pytest.importorskip("wandb")
 from trainer_keys import openrlhf_status, verl_metrics
 from wandb_writer import (
     GENERATIONS,
+    GENUINE_TRL,
     OPENRLHF_STEPS,
     PROMPTS,
     TRL_STEPS,
@@ -151,6 +152,10 @@ def test_trl_completions_table_becomes_rollouts(runs: dict[str, Path], tmp_path:
     assert steps["grad_norm"].to_list() == pytest.approx([0.25 * s for s in range(1, 13)])
     assert "response_len" not in steps.columns  # tokens; the rollouts' length counts words
     assert steps["completions/mean_length_logged"][0] == 64.0
+    # same length, same first and last 8 bytes: two keys all the same
+    terminated = "train/completions/{}_terminated_length"
+    assert steps[terminated.format("min")].to_list() == [9.0 + s for s in range(1, 13)]
+    assert steps[terminated.format("max")].to_list() == [100.0 + s for s in range(1, 13)]
     assert steps["eval/loss"].drop_nulls().to_list() == [0.4, 0.4]
     doc = run_json(out)
     assert doc["group_size"] == GENERATIONS and doc["max_grad_norm"] == 1.0
@@ -162,6 +167,24 @@ def test_trl_completions_table_becomes_rollouts(runs: dict[str, Path], tmp_path:
     )
     assert any("num_generations = 4 (the W&B config)" in n for n in result.notes)
     assert any("later completions table" in n for n in result.notes)
+
+
+def test_genuine_trl_log_equals_trainer_state(runs: dict[str, Path], tmp_path: Path) -> None:
+    """A genuine TRL 1.16 run's every logged key and value, sent through W&B as transformers'
+    callback sends them, comes back as TRL's own trainer_state.json has it, step for step."""
+    import_run("wandb", runs["trl-genuine"].parent, tmp_path / "out")
+    steps = steps_of(tmp_path / "out")
+    (state,) = GENUINE_TRL.glob("checkpoint-*/trainer_state.json")
+    history = json.loads(state.read_text())["log_history"]
+    assert steps["step"].to_list() == [e["step"] for e in history]
+    renamed = {"learning_rate": "lr", "clip_ratio/region_mean": "clip_frac"}
+    renamed |= {"completions/mean_length": "response_len"}
+    renamed |= {"completions/clipped_ratio": "truncation_rate"}
+    renamed |= {k: k for k in ("loss", "grad_norm", "kl", "entropy", "reward")}
+    for key in {k for e in history for k in e} - {"step"}:
+        column = renamed.get(key, f"train/{key}")
+        assert column in steps.columns, key
+        assert steps[column].to_list() == [e.get(key) for e in history], key
 
 
 def test_openrlhf_global_step_axis(runs: dict[str, Path], tmp_path: Path) -> None:

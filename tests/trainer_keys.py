@@ -59,8 +59,12 @@ def verl_metrics(step: int, *, kl_loss: float = 0.0) -> dict[str, float]:
 
 
 def trl_logs(step: int) -> dict[str, float]:
-    """TRL 1.16 GRPOTrainer's train log at one step (trainer_state.json log_history keys, one
-    reward function `accuracy_reward`)."""
+    """TRL 1.16 GRPOTrainer's train log at one step, every key it logs with one reward function
+    `accuracy_reward` (the key set of tests/genuine/trl-real's trainer_state.json log_history:
+    grpo_trainer.py `_generate_and_score_completions` and `_compute_loss`, Trainer's loss,
+    grad_norm, learning_rate, num_tokens, epoch, step_time). Two of its keys,
+    completions/min_terminated_length and completions/max_terminated_length, have the same
+    length and the same first and last 8 bytes."""
     return {
         "loss": 0.5,
         "grad_norm": 0.25 * step,
@@ -70,6 +74,9 @@ def trl_logs(step: int) -> dict[str, float]:
         "completions/min_length": 10.0,
         "completions/max_length": 128.0,
         "completions/clipped_ratio": 0.5,
+        "completions/mean_terminated_length": 60.0,
+        "completions/min_terminated_length": 9.0 + step,
+        "completions/max_terminated_length": 100.0 + step,
         "rewards/accuracy_reward/mean": 0.125 * step,
         "rewards/accuracy_reward/std": 0.3,
         "reward": 0.125 * step,
@@ -77,6 +84,11 @@ def trl_logs(step: int) -> dict[str, float]:
         "frac_reward_zero_std": 0.25,
         "kl": 0.01,
         "entropy": 0.75,
+        "clip_ratio/low_mean": 0.0,
+        "clip_ratio/low_min": 0.0,
+        "clip_ratio/high_mean": 0.0,
+        "clip_ratio/high_max": 0.0,
         "clip_ratio/region_mean": 0.0,
         "epoch": 0.1 * step,
+        "step_time": 2.4,
     }

@@ -111,6 +111,30 @@ def trl(root: Path) -> None:
     run.finish()
 
 
+#: A genuine TRL 1.16 GRPOTrainer run (tests/genuine/trl-real/healthy): its log_history is
+#: what the trainer passed to every callback's on_log.
+GENUINE_TRL = Path(__file__).parent / "genuine" / "trl-real" / "healthy"
+
+
+def trl_genuine(root: Path) -> None:
+    """The genuine run's log_history, entry by entry, as transformers' WandbCallback.on_log
+    logs it (integration_utils.py: `rewrite_logs` puts `eval_` keys under `eval/` and the
+    rest under `train/`, then `train/global_step`); the run's own keys and floats."""
+    import json
+
+    (state,) = GENUINE_TRL.glob("checkpoint-*/trainer_state.json")
+    run = init(root, "trl-genuine", TRL_CONFIG | {"scale_rewards": "group", "num_generations": 8})
+    run.define_metric("train/global_step")
+    run.define_metric("*", step_metric="train/global_step", step_sync=True)
+    for entry in json.loads(state.read_text())["log_history"]:
+        logs = {k: v for k, v in entry.items() if k != "step"}
+        rewritten = {
+            (f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in logs.items()
+        }
+        run.log({**rewritten, "train/global_step": entry["step"]})
+    run.finish()
+
+
 def openrlhf(root: Path) -> None:
     """OpenRLHF v0.11.0's WandbLogger (openrlhf/utils/logging_utils.py), call for call."""
     run = init(root, "openrlhf", OPENRLHF_CONFIG)
@@ -156,7 +180,14 @@ def wide(root: Path) -> None:
     run.finish()
 
 
-WRITERS = {"verl": verl, "trl": trl, "openrlhf": openrlhf, "empty": empty, "wide": wide}
+WRITERS = {
+    "verl": verl,
+    "trl": trl,
+    "trl-genuine": trl_genuine,
+    "openrlhf": openrlhf,
+    "empty": empty,
+    "wide": wide,
+}
 
 
 def main() -> None:

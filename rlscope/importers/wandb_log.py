@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rlscope.errors import RlscopeError
 
@@ -437,12 +438,12 @@ def _unaligned(joined: bytes, dtype: str) -> np.ndarray:
     return np.ndarray((len(joined) - size + 1,), dtype=dtype, buffer=joined, strides=(1,))
 
 
-def _strings(
+def _string_views(
     words: tuple[np.ndarray, np.ndarray], data: pa.Buffer, starts: np.ndarray, lengths: np.ndarray
-) -> pl.Series:
-    """joined[start:start + length] of each item as a polars String series, without copying
-    the bytes: Arrow string views into the batch buffer (length, then up to 12 bytes inline, or
-    a 4-byte prefix, buffer 0 and the offset)."""
+) -> pa.Array:
+    """joined[start:start + length] of each item as an Arrow string-view array, without copying
+    the bytes (length, then up to 12 bytes inline, or a 4-byte prefix, buffer 0 and the
+    offset)."""
     u32, u64 = words
     n = len(starts)
     head = u32[starts].astype(np.uint64)
@@ -455,8 +456,7 @@ def _strings(
     if short.size:
         views[short, 1] = _masked(u64[starts[short] + 4], lengths[short] - 4)
     # Protobuf strings are UTF-8 (the writer checks): string views, not validated again.
-    array = pa.Array.from_buffers(pa.string_view(), n, [None, pa.py_buffer(views), data])
-    return pl.Series(pl.from_arrow(array))
+    return pa.Array.from_buffers(pa.string_view(), n, [None, pa.py_buffer(views), data])
 
 
 @dataclass
@@ -492,10 +492,11 @@ def _decode(bodies: list[bytes], first: int, path: Path) -> _Batch:
         if not flat.all():
             item_row, key_at, key_len = item_row[flat], key_at[flat], key_len[flat]
             value_at, value_len = value_at[flat], value_len[flat]
-        local, names = _key_ids(words[1], joined, key_at, key_len)
-    except (ValueError, IndexError, UnicodeDecodeError) as exc:
+        data = pa.py_buffer(joined)
+        local, names = _key_ids(_string_views(words, data, key_at, key_len))
+    except (ValueError, IndexError, UnicodeDecodeError, pa.ArrowInvalid) as exc:
         raise RlscopeError(f"{path}: a history record does not decode ({exc})") from None
-    texts = _strings(words, pa.py_buffer(joined), value_at, value_len)
+    texts = pl.Series(pl.from_arrow(_string_views(words, data, value_at, value_len)))
     values = texts.cast(pl.Float64, strict=False)
     non_numeric: dict[str, int] = {}
     failed = values.is_null().to_numpy().copy()
@@ -538,40 +539,13 @@ def _masked(word: np.ndarray, count: np.ndarray) -> np.ndarray:
     return word & mask
 
 
-def _key_ids(
-    u64: np.ndarray, joined: bytes, starts: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, list[str]]:
-    """A number per key (0, 1, ... in order of first appearance) and the keys. Keys are hashed
-    by their length and first and last 8 bytes (which are the whole key up to 16 bytes), and
-    every key is then compared with the first key of its number: the length and those words
-    for all, the words between for longer keys, so equal numbers always mean equal keys."""
-    n = len(starts)
-    if not n:
-        return np.zeros(0, dtype=np.int64), []
-    head = _masked(u64[starts], lengths)
-    tail = np.where(lengths > 8, u64[starts + np.maximum(lengths - 8, 0)], np.uint64(0))
-    digest = (lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ head
-    digest *= np.uint64(0xBF58476D1CE4E5B9)
-    digest ^= (digest >> np.uint64(31)) ^ tail
-    digest *= np.uint64(0x94D049BB133111EB)
-    hashes = pl.Series(digest)
-    distinct = hashes.filter(hashes.is_first_distinct()).to_numpy()
-    ids = hashes.replace_strict(
-        distinct, np.arange(len(distinct)), return_dtype=pl.Int64
-    ).to_numpy()
-    first = np.empty(len(distinct), dtype=np.int64)
-    first[ids[::-1]] = np.arange(n - 1, -1, -1)
-    same = first[ids]
-    equal = (lengths == lengths[same]) & (head == head[same]) & (tail == tail[same])
-    longer = np.nonzero(lengths > 16)[0]
-    for k in range(1, -(-int(lengths.max()) // 8) - 1):
-        longer = longer[lengths[longer] > 8 * (k + 1)]
-        at = starts[longer] + 8 * k
-        equal[longer] &= u64[at] == u64[starts[same[longer]] + 8 * k]
-    if not equal.all():
-        raise ValueError("two history keys share a hash")  # never seen; refuses to guess
-    names = [joined[a : a + b].decode() for a, b in zip(starts[first], lengths[first], strict=True)]
-    return ids, names
+def _key_ids(keys: pa.Array) -> tuple[np.ndarray, list[str]]:
+    """A number per key (0, 1, ... in order of first appearance) and the keys: Arrow's
+    dictionary encoding, which compares whole keys, so two keys share a number only when
+    they are equal (TRL logs `train/completions/min_terminated_length` and
+    `.../max_terminated_length`: same length, same first and last 8 bytes)."""
+    encoded = pc.dictionary_encode(keys)
+    return encoded.indices.to_numpy().astype(np.int64), encoded.dictionary.to_pylist()
 
 
 def _items(
