@@ -602,23 +602,53 @@ DECLARED.metric(
 # --- Advantage extremes and the gradient's level ------------------------------------------------
 
 _A = f64("advantage")
-_CARRIES = _A.is_not_null() & (_A != 0.0)
 #: verl's whitened advantages are logged as their batch maximum and minimum only.
 _VERL_ADVANTAGE = ("critic/advantages/max", "critic/advantages/min")
 #: The partial of the largest |advantage| of a step (merged over files by max).
 ADV_MAX = MAX_PREFIX + "adv_abs"
+#: |advantage| floors the partials count tokens above (n, Σ a²), one per tier, so that a step's
+#: noise floor is chosen from its own scale once its files are merged.
+ADV_TIERS = (0.0, 1e-12, 1e-9, 1e-6, 1e-3)
+#: A token whose |advantage| is below this share of the step's scale (its RMS advantage; the
+#: floor is the highest tier under it) is float noise of a zero-σ group, not a signal.
+ADV_NOISE_SHARE = 1e-2
+
+
+def _adv_tier(i: int) -> dict[str, pl.Expr]:
+    above = _A.is_not_null() & (_A.abs() > ADV_TIERS[i])
+    return {f"adv_n{i}": above.cast(pl.Int64).sum(), f"adv_q{i}": (_A**2).filter(above).sum()}
 
 
 def _advantage_extreme(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
-    names = ["adv_n", "adv_s", "adv_s2"]
+    names = [f"adv_{k}{i}" for i in range(len(ADV_TIERS)) for k in ("n", "q")]
     per_step = frame.group_by("step").agg(*(merged(n) for n in names), merged(ADV_MAX))
-    std = _unbiased_var("adv_s", "adv_s2", "adv_n").sqrt()
-    return per_step.select(
-        "step",
-        pl.when((pl.col("adv_n") >= 2) & (std > 0)).then(pl.col(ADV_MAX) / std).alias("value"),
-        pl.col("adv_n").cast(pl.Float64).alias("extra_n"),
-        pl.col(ADV_MAX).alias("extra_max_abs"),
-        std.alias("extra_std"),
+    scale = (pl.col("adv_q0") / pl.col("adv_n0")).sqrt()
+    tier = pl.lit(0)
+    for i, floor in enumerate(ADV_TIERS[1:], start=1):
+        tier = pl.when(scale * ADV_NOISE_SHARE >= floor).then(i).otherwise(tier)
+
+    def at_tier(kind: str) -> pl.Expr:
+        picked = pl.lit(None, dtype=pl.Float64)
+        for i in range(len(ADV_TIERS)):
+            picked = pl.when(pl.col("tier") == i).then(pl.col(f"adv_{kind}{i}")).otherwise(picked)
+        return picked.cast(pl.Float64)
+
+    rms = (pl.col("q") / pl.col("n")).sqrt()
+    return (
+        per_step.with_columns(tier.alias("tier"))
+        .with_columns(at_tier("n").alias("n"), at_tier("q").alias("q"))
+        .select(
+            "step",
+            pl.when((pl.col("n") >= 2) & (pl.col("q") > 0))
+            .then(pl.col(ADV_MAX) / rms)
+            .alias("value"),
+            pl.col("n").alias("extra_n"),
+            pl.col(ADV_MAX).alias("extra_max_abs"),
+            rms.alias("extra_rms"),
+            pl.col("tier")
+            .replace_strict(dict(enumerate(ADV_TIERS)), return_dtype=pl.Float64)
+            .alias("extra_noise_floor"),
+        )
     )
 
 
@@ -634,14 +664,22 @@ def _verl_advantage_extreme(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyF
 DECLARED.metric(
     Metric(
         id="stability.advantage_extreme",
-        brief="max |advantage| / std(advantage) per step (tokens; verl's whitened max/min)",
+        brief="max |advantage| / RMS of the advantages above float noise, per step (tokens; "
+        "verl's whitened max/min)",
         layer="L1",
         title="Largest advantage in standard deviations",
-        doc="Per step, the largest |advantage| of a token divided by the standard deviation of "
-        "the advantages (n − 1) of the tokens that carry one (tokens with an advantage of exactly "
-        "0 — a GRPO group with no spread, padding — carry no gradient and are left out of both): "
-        "how many standard deviations the most extreme token sits from 0. Components: n (the "
-        "tokens counted), max_abs and std. Without tokens, verl's logged `critic/advantages/max` "
+        doc="Per step, the largest |advantage| of a token divided by the root mean square of the "
+        "advantages of the tokens that carry one: how many standard deviations (advantages are "
+        "centred: their RMS is their spread) the most extreme token sits from 0. A token whose "
+        "|advantage| is below 1% of the step's scale (its RMS over every non-zero token; the "
+        "floor is the highest of 0, 1e-12, 1e-9, 1e-6, 1e-3 under it) carries no signal and is "
+        "left out: a GRPO group with no spread whose reward is not exactly representable (0.1, "
+        "a format bonus) gets (r − μ)/(σ + ε) of float noise, not 0 — 1e-17 to 1e-9 in float64, "
+        "up to 6e-4 in TRL's float32 with ε = 1e-4 (measured with torch: rewards of 0.7 in "
+        "groups of 8) — and such tokens, all of one value, would make any spread meaningless. "
+        "An RMS has no cancellation (a variance from Σa² − (Σa)²/n of near-equal values is "
+        "rounding). Components: n (the tokens counted), max_abs, rms and noise_floor. Without "
+        "tokens, verl's logged `critic/advantages/max` "
         "and `/min` (trainer/ppo/metric_utils.py `compute_data_metrics`): verl whitens GAE and "
         "REINFORCE++ advantages over the batch (core_algos.py, `masked_whiten`), so their "
         "standard deviation is 1 and the larger of |max|, |min| is the ratio; GRPO's group-"
@@ -656,12 +694,10 @@ DECLARED.metric(
                 ("advantage",),
                 _advantage_extreme,
                 {
-                    "adv_n": _A.filter(_CARRIES).count(),
-                    "adv_s": _A.filter(_CARRIES).sum(),
-                    "adv_s2": (_A**2).filter(_CARRIES).sum(),
+                    **{k: v for i in range(len(ADV_TIERS)) for k, v in _adv_tier(i).items()},
                     ADV_MAX: _A.abs().max(),
                 },
-                source="tokens: max |advantage| / std of the non-zero advantages",
+                source="tokens: max |advantage| / RMS of the advantages above float noise",
             ),
             custom(
                 "steps",

@@ -1163,7 +1163,7 @@ def kl_coef_runaway(ctx: RuleContext) -> Iterator[Finding]:
     layer="L1",
     title="A few tokens carry the batch's advantage",
     doc="stability.advantage_extreme: the largest |advantage| of the step in standard "
-    "deviations of its tokens' advantages. Of n independent standard-normal values the "
+    "deviations (RMS) of its tokens' advantages. Of n independent standard-normal values the "
     "largest |z| is about √(2 ln 2n), and P(max |z| > c·√(2 ln 2n)) ≤ (2n)^(1 − c²): with "
     "c = `factor` = 2, one chance in (2n)³ a step, so no run length makes a false alarm "
     "likely, and tokens of one sequence sharing an advantage only lower the maximum. "
@@ -1173,8 +1173,10 @@ def kl_coef_runaway(ctx: RuleContext) -> Iterator[Finding]:
     "objective does not bound it: those tokens take the update. For GRPO's group-normalised "
     "advantages, the largest possible in a group of G is (G − 1)/√G (one success among "
     "G − 1 failures), so the bound is never below `factor` times it (run.json group_size). "
-    "n is the step's tokens with a non-zero advantage; where it is not known (verl's logged "
-    "max and min) `assumed_tokens`, a generous count that makes the bound larger.",
+    "n is the step's tokens whose advantage is above float noise (1% of the step's RMS "
+    "advantage, to the decade: a zero-σ group's (r − μ)/(σ + ε) is rounding, not a signal, and "
+    "one such group alone has no spread to measure); where it is not known (verl's logged max "
+    "and min) `assumed_tokens`, a generous count that makes the bound larger.",
     remedy="find the step's extreme rollouts (rlscope show) and check their rewards (clip or "
     "normalise the reward model's output, fix the parser), the critic's values there (value "
     "clip, critic warm-up), and the advantage normaliser's ε; clip advantages if the "
