@@ -210,6 +210,23 @@ def test_a_critic_still_warming_up_is_not_judged(write_run: Any) -> None:
     assert alone is not None and alone.evidence["value_loss"] is None
 
 
+def test_a_blow_up_at_the_first_update_is_no_warm_up(write_run: Any) -> None:
+    """Critic lr far too high (as a genuine verl-keyed PPO run with critic lr 0.3): value loss 52
+    after the first update, then ~0.04 for 100 steps, explained variance within ±0.02 of 0. The
+    first fifth's mean falls with the blow-up's decay, not its median: critical from the first
+    judged steps. A loss that keeps falling is a warm-up in the first 30 steps, not past them."""
+    rng = np.random.default_rng(3)
+    ev = list(rng.uniform(-0.02, 0.02, 100))
+    blown = [52.0, 9.0, 1.5, *(0.04 * (1 + rng.normal(0, 0.1, 97)))]
+    found = _critic_finding(analyze(write_run({"steps": _critic_steps(ev, blown)})))
+    assert found is not None and found.severity == "critical"
+    assert found.onset is not None and found.onset <= 12
+    falling = [0.3 * 0.97**i * (1 + rng.normal(0, 0.02)) for i in range(100)]
+    early = write_run({"steps": _critic_steps(ev[:30], falling[:30])})
+    assert _critic_finding(analyze(early)) is None
+    assert _critic_finding(analyze(write_run({"steps": _critic_steps(ev, falling)}))) is not None
+
+
 def test_a_critic_that_unlearns_warns(write_run: Any) -> None:
     rng = np.random.default_rng(2)
     ev = [0.6 - 0.5 * i / 29 + rng.normal(0, 0.02) for i in range(30)]
@@ -443,7 +460,9 @@ def test_the_largest_advantage_in_standard_deviations_is_numpys(write_run: Any) 
         found = next(f for f in report.findings if f.id == "advantage-explosion")
         assert found.evidence["extreme_steps"] == [1]
         n = counted[1]  # the spiked step's advantages above noise (the 200 zeros left out)
-        assert 795 < n <= 800 and found.evidence["bound"] == pytest.approx(2 * np.sqrt(2 * np.log(2 * n)))
+        assert 795 < n <= 800 and found.evidence["bound"] == pytest.approx(
+            2 * np.sqrt(2 * np.log(2 * n))
+        )
 
 
 def test_gaussian_advantages_and_grpo_groups_are_not_explosions(write_run: Any) -> None:

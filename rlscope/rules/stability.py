@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,7 @@ from rlscope.rules.base import (
     MIN_TREND_STEPS,
     RuleContext,
     Series,
+    Windows,
     changed_at,
     compare_windows,
     final_level,
@@ -891,6 +892,22 @@ def logged_metric_mismatch(ctx: RuleContext) -> Iterator[Finding]:
         )
 
 
+def _warming_up(loss: Series, trend: Windows, p: Mapping[str, float]) -> bool:
+    """Within the first `warmup_steps`, the value loss falls from the first to the last fifth
+    (`trend`, z ≥ `z`, by `min_fall`) in the windows' means and medians: a blow-up of a few steps
+    moves a mean, not a median."""
+    medians = [
+        float(np.median(loss.values[(loss.steps >= a) & (loss.steps <= b)]))
+        for a, b in (trend.first_steps, trend.last_steps)
+    ]
+    return (
+        len(loss) <= p["warmup_steps"]
+        and trend.falling(p["z"])
+        and trend.last <= (1 - p["min_fall"]) * trend.first
+        and medians[1] <= (1 - p["min_fall"]) * medians[0]
+    )
+
+
 @DECLARED.rule(
     "critic-not-learning",
     brief="PPO critic: explained variance surely below 0.05 over the last steps while neither "
@@ -908,11 +925,18 @@ def logged_metric_mismatch(ctx: RuleContext) -> Iterator[Finding]:
     "its explained variance is not rising (first vs last fifth: by at least `min_rise` and "
     "z ≥ `z`, Student-t widened for short runs; a frozen head's 1e-4 drifting by 1e-5 is "
     "significant against its zero noise but is no learning) and its value loss "
-    "(stability.value_loss, when logged) is not falling (by `min_fall` of it, z ≥ `z`). A "
-    "critic that is still warming up has a falling value loss: it is not judged. A warning "
+    "(stability.value_loss, when logged) is not falling (by `min_fall` of it, z ≥ `z`, in the "
+    "windows' means and in their medians). A critic that is still warming up has a falling "
+    "value loss: it is not judged in the first `warmup_steps` steps (verl's critic_warmup is a "
+    "count of steps too; the genuine healthy critics begin to explain the returns by step ~20). "
+    "Past them, a critic that explains nothing and is not rising is not learning, whatever its "
+    "loss does: a value loss can fall because the returns' spread does. A blow-up is no "
+    "warm-up either: a critic whose learning rate is far too high can reach a value loss of 52 "
+    "at its first update and then sit at ~0.04 with an explained variance within ±0.02 of 0; "
+    "its few blown-up steps move the first fifth's mean, not its median. A warning "
     "when a critic that had learnt (a first-fifth explained variance of at least `learnt_ev`) "
     "loses half of it, significantly. Calibrated on genuine PPO runs in verl's format "
-    "(../shared/fixtures/ppo-critic): the frozen critic's explained variance is 0.0000 at "
+    "(tests/genuine/ppo-critic): the frozen critic's explained variance is 0.0000 at "
     "every step with a flat value loss; the healthy critic's is 0 for its first ~15 steps "
     "while its value loss falls 0.16 → 0.05, then 0.1–0.6.",
     remedy="check the critic is trained (its learning rate, that its optimizer steps, that the "
@@ -927,6 +951,7 @@ def logged_metric_mismatch(ctx: RuleContext) -> Iterator[Finding]:
         "min_rise": Param(0.02, "explained-variance rise (first to last fifth) that is learning"),
         "min_fall": Param(0.1, "share of the value loss lost (first to last fifth): learning"),
         "z": Param(2.0, "significance of a rise, a fall (z-score)"),
+        "warmup_steps": Param(30, "steps in which a falling value loss is a critic's warm-up"),
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
     },
     severity="critical",
@@ -943,11 +968,7 @@ def critic_not_learning(ctx: RuleContext) -> Iterator[Finding]:
     if level + 2 * se < p["max_ev"] and not rising:
         loss = ctx.series("stability.value_loss")
         loss_trend = compare_windows(loss) if loss is not None and len(loss) >= 3 else None
-        if (
-            loss_trend is not None
-            and loss_trend.falling(p["z"])
-            and loss_trend.last <= (1 - p["min_fall"]) * loss_trend.first
-        ):
+        if loss is not None and loss_trend is not None and _warming_up(loss, loss_trend, p):
             return  # warming up: the value loss still falls
         lr = ctx.series("stability.critic_lr")
         frozen = lr is not None and len(lr) > 0 and not np.any(lr.values > 0)

@@ -21,6 +21,8 @@ MODE (measured, seed 0, 60 steps, ~7 s each on one thread; score 0.5 at step 1):
                   step), the advantages are the returns; the value loss rises 0.24 → 0.45.
   critic-diverges critic lr 1.0: the value loss is 215 at step 1, then 0.2–1 with spikes; the
                   critic never explains anything (explained variance −0.03 to 0.001).
+  critic-lr-high  critic lr 0.3: the value loss is 5 at step 1, 0.2 from step 7 on (the
+                  blow-up's decay, no learning); explained variance within ±0.01 of 0 throughout.
   critic-lr-jump  as healthy until step 29, then critic lr 3.0: the value loss goes 0.13 → 2e5
                   at step 30 and settles near 2 (×10 the first steps); explained variance −10
                   to −30 from then on.
@@ -47,13 +49,21 @@ import torch
 from tiny_qwen import sample, tiny_config
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 
-MODES = ("healthy", "frozen-critic", "critic-diverges", "critic-lr-jump", "kl-runaway")
+MODES = (
+    "healthy",
+    "frozen-critic",
+    "critic-diverges",
+    "critic-lr-high",
+    "critic-lr-jump",
+    "kl-runaway",
+)
 VOCAB, LENGTH, BATCH = 16, 8, 32
 ACTOR_LR, GAMMA, LAM, CLIP, VALUE_CLIP = 1e-3, 1.0, 0.95, 0.2, 0.5
 CRITIC_LR = {
     "healthy": 3e-3,
     "frozen-critic": 0.0,
     "critic-diverges": 1.0,
+    "critic-lr-high": 0.3,
     "kl-runaway": 3e-3,
     "critic-lr-jump": 3e-3,
 }
