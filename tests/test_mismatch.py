@@ -36,9 +36,10 @@ def _tokens_run(
     length: int = 20,
     trainer: str = "old_logprob",
     seed: int = 0,
+    rollouts_per_step: int = 8,
 ) -> tuple[Path, dict[str, np.ndarray]]:
     """A run whose sampler log-probs differ from the trainer's by N(0, sigma(step)) per token:
-    8 rollouts of `length` tokens a step. Returns it and its token arrays."""
+    `rollouts_per_step` rollouts of `length` tokens a step. Returns it and its token arrays."""
     rng = np.random.default_rng(seed)
     rollouts: dict[str, list[Any]] = {k: [] for k in ("rollout_id", "step", "prompt_id")}
     rollouts |= {"reward": [], "response_len": []}
@@ -46,7 +47,7 @@ def _tokens_run(
     columns |= {trainer: [], "rollout_logprob": []}
     rid = 0
     for step in range(steps):
-        for g in range(8):
+        for g in range(rollouts_per_step):
             rollouts["rollout_id"].append(rid)
             rollouts["step"].append(step)
             rollouts["prompt_id"].append(f"p{step}-{g // 2}")
@@ -163,9 +164,25 @@ def test_a_rising_mismatch_warns_before_its_level_matters(write_run: Any) -> Non
     assert "rose" in finding.message
 
 
-def test_the_mismatch_waits_for_its_steps_and_is_not_the_kl_to_the_reference() -> None:
+def test_a_sure_level_is_judged_from_the_first_steps(write_run: Any) -> None:
+    """With the tokens, a step's own error is known: a mismatch of ~0.13 nats/token over 64
+    rollouts of 50 tokens a step is critical from the first step on (its error bound, as if
+    each sequence were one draw: 1.3 nats a sequence against a level of 6), a 0 one never; 8
+    rollouts of 3 tokens at 4.5e-4 a token are nothing. The rise waits for its steps."""
+    for steps in (1, 2, 8):
+        path, _ = _tokens_run(write_run, 0.5, steps=steps, length=50, rollouts_per_step=64)
+        finding = _finding(analyze(path))
+        assert finding is not None and finding.severity == "critical", steps
+        assert not finding.evidence["rising"]
+        path, _ = _tokens_run(write_run, 0.0, steps=steps, length=50, rollouts_per_step=64)
+        assert _finding(analyze(path)) is None
+    noisy, _ = _tokens_run(write_run, 0.03, steps=2, length=3)
+    assert _finding(analyze(noisy)) is None
+
+
+def test_the_mismatch_rise_waits_for_its_steps_and_is_not_the_kl_to_the_reference() -> None:
     rule = default_catalog().rules["train-inference-mismatch"]
-    assert rule.params["min_steps"].default >= 3
+    assert rule.params["min_trend_steps"].default >= 3
     shown = run_cli("explain", "train-inference-mismatch").stdout
     assert "not the KL to the reference" in " ".join(shown.split())
     assert "stability.kl" in shown

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import polars as pl
 
@@ -255,6 +256,23 @@ _TRAINER_LOGPROBS = (("old_logprob", "old"), ("logprob", "cur"))
 TAIL_LOG_RATIO = 0.6931471805599453  # ln 2
 
 
+def _token_mean_and_se(
+    total: str, count: str, squares: str, frame: pl.LazyFrame, ctx: MetricContext
+) -> pl.LazyFrame:
+    """Per step, the token mean and its standard error over the step's tokens (extra_token_se,
+    as if tokens were independent; extra_n the tokens)."""
+    sums = step_sums(frame, [total, count, squares])
+    n = pl.col(count).cast(pl.Float64)
+    mean = pl.col(total) / n
+    spread = pl.max_horizontal((pl.col(squares) / n - mean**2) * n / (n - 1), pl.lit(0.0))
+    return sums.select(
+        "step",
+        safe_div(pl.col(total), n).alias("value"),
+        n.alias("extra_n"),
+        pl.when(n > 1).then((spread / n).sqrt()).alias("extra_token_se"),
+    )
+
+
 def _mismatch_variants(
     name: str,
     per_token: Callable[[pl.Expr, pl.Expr], pl.Expr],
@@ -266,12 +284,13 @@ def _mismatch_variants(
     variants = []
     for column, tag in _TRAINER_LOGPROBS:
         value = per_token(f64(column), f64("rollout_logprob"))
+        names = [f"mm_{name}_{tag}_{k}" for k in ("sum", "n", "sq")]
         variants.append(
-            ratio_variant(
+            custom(
                 "tokens",
                 (column, "rollout_logprob"),
-                (f"mm_{name}_{tag}_sum", value.sum()),
-                (f"mm_{name}_{tag}_n", value.count()),
+                partial(_token_mean_and_se, *names),
+                dict(zip(names, (value.sum(), value.count(), (value**2).sum()), strict=True)),
                 source=f"tokens: token-mean {source}, d = {column} - rollout_logprob",
             )
         )

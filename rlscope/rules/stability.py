@@ -198,6 +198,23 @@ MISMATCH_EXPLAINS_COLLAPSE = Explained(
 )
 
 
+def _mismatch_se(ctx: RuleContext, kl: Series, tokens: float) -> float:
+    """The final-window mean's standard error: from its step-to-step scatter once there are 3
+    steps; before, from its tokens (each step's token-level error × √T, as if a sequence's T
+    tokens were one draw: they are correlated, and no more than that); infinite when neither
+    is known (one or two steps of a logged mean)."""
+    if len(kl) >= MIN_STEPS:
+        return final_se(kl)
+    frame = ctx.frame("stability.mismatch_kl")
+    if frame is None or "extra_token_se" not in frame.columns:
+        return math.inf
+    judged = frame.filter(pl.col("value").is_not_null()).sort("step")
+    own = judged["extra_token_se"].to_numpy().astype(np.float64)
+    if len(own) != len(kl) or np.isnan(own).any():
+        return math.inf
+    return math.sqrt(float(np.sum(own**2)) * max(tokens, 1.0)) / len(own)
+
+
 @DECLARED.rule(
     "train-inference-mismatch",
     brief="sampler vs trainer log-probs: a sequence's mismatch KL (token k3 × response length) "
@@ -222,8 +239,12 @@ MISMATCH_EXPLAINS_COLLAPSE = Explained(
     "when that share is below `warn_ess` (kT ≥ 0.35), critical below `critical_ess` "
     "(kT ≥ 1.5: the trainer learns from another policy's samples). Per-token KL does not "
     "depend on the vocabulary, and T carries the sequence length, so the bounds hold for any "
-    "model and task; the level is judged two standard errors deep (the final window's "
-    "step-to-step scatter), so a small batch does not fire on noise. Growth: the last fifth's "
+    "model and task; the level is judged two standard errors deep, so a small batch does not "
+    "fire on noise: the final window's step-to-step scatter from 3 steps on; before, the "
+    "error its own tokens give (per step, the token-level standard error × √T, as if each "
+    "sequence's tokens were one draw), so with the tokens a level is judged from the first "
+    "step (a logged mean, with no tokens, from the third). Growth (from `min_trend_steps`): "
+    "the last fifth's "
     "KL at least `rise_factor` times the first fifth's and `z` standard errors above it "
     "(the series' own step-to-step noise, Student-t widened for short runs), once kT reaches "
     "`min_seq_kl`: a warning, critical when the level is past `warn_ess` too. This is not the "
@@ -245,7 +266,8 @@ MISMATCH_EXPLAINS_COLLAPSE = Explained(
         "rise_factor": Param(2.0, "last-fifth / first-fifth mismatch KL for a rise"),
         "z": Param(3.0, "z-score of the rise against the series' own noise"),
         "min_seq_kl": Param(0.05, "a sequence's mismatch KL (nats) below which no rise counts"),
-        "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+        "min_trend_steps": Param(MIN_TREND_STEPS, "fewest steps to judge a rise"),
+        "min_steps": Param(1, "fewest steps to judge the level"),
     },
     severity="warn",
 )
@@ -262,7 +284,7 @@ def train_inference_mismatch(ctx: RuleContext) -> Iterator[Finding]:
     if len(kl) < p["min_steps"] or length is None or len(length) == 0:
         return
     tokens = final_mean(length)
-    per_token, se = final_mean(kl), final_se(kl)
+    per_token, se = final_mean(kl), _mismatch_se(ctx, kl, tokens)
     seq_kl = per_token * tokens
     bounds = {
         "warn_at": -math.log(p["warn_ess"]) / 2,
@@ -271,7 +293,8 @@ def train_inference_mismatch(ctx: RuleContext) -> Iterator[Finding]:
     level = level_severity(seq_kl, bounds, se * tokens)
     w = compare_windows(kl)
     rising = (
-        w.rising(p["z"])
+        len(kl) >= p["min_trend_steps"]
+        and w.rising(p["z"])
         and w.last >= p["rise_factor"] * max(w.first, 0.0)
         and w.last * tokens >= p["min_seq_kl"]
     )
