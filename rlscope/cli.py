@@ -1023,6 +1023,14 @@ def probe(
     timeout: Annotated[
         float, typer.Option(help="Seconds a request may take.", metavar="S")
     ] = 120.0,
+    give_up_after: Annotated[
+        float,
+        typer.Option(
+            help="Give up on a server that has completed no request for S seconds while asked "
+            "(refused, timed out, 5xx, or silent): exit 2, what was answered kept.",
+            metavar="S",
+        ),
+    ] = 60.0,
     dry_run: Annotated[
         bool, typer.Option(help="Print the plan; send nothing, write nothing.")
     ] = False,
@@ -1041,7 +1049,9 @@ def probe(
     Picks rollouts per step (correct and incorrect, with a reasoning section and an answer),
     intervenes on their chain of thought (cut short, a mistake, paraphrased, filler, a biased
     prompt), has the served model answer, and appends the probes to the run. Interrupted, it
-    resumes without duplicates. Then `rlscope analyze RUN` judges L6.
+    resumes without duplicates. A server that completes no request for --give-up-after seconds
+    (gone, or hung) is given up on: what was answered is kept, and running the same command
+    again asks only the probes left. Then `rlscope analyze RUN` judges L6.
 
     Examples:
 
@@ -1053,7 +1063,7 @@ def probe(
       rlscope probe dumps/ --from verl --endpoint http://localhost:8080/v1 --model qwen
 
     Exit codes: 0 done (failures are counted in the summary), 2 usage or input error
-    (nothing written).
+    (nothing written), or a server given up on (the probes answered before it are kept).
     """
     import json as json_module
 
@@ -1084,6 +1094,7 @@ def probe(
             api_key_env=api_key_env,
             retries=retries,
             timeout=timeout,
+            give_up_after=give_up_after,
             tags=load_config(config).text.tags,
         )
         path = run

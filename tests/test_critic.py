@@ -213,8 +213,8 @@ def test_a_critic_still_warming_up_is_not_judged(write_run: Any) -> None:
 def test_a_blow_up_at_the_first_update_is_no_warm_up(write_run: Any) -> None:
     """Critic lr far too high (as a genuine verl-keyed PPO run with critic lr 0.3): value loss 52
     after the first update, then ~0.04 for 100 steps, explained variance within ±0.02 of 0. The
-    first fifth's mean falls with the blow-up's decay, not its median: critical at every judged length
-    (before 35 steps the blow-up's own scatter already makes the mean's fall unsure)."""
+    first fifth's mean falls with the blow-up's decay, not its median: critical at every judged
+    length (before 35 steps the blow-up's own scatter already makes the mean's fall unsure)."""
     rng = np.random.default_rng(3)
     ev = list(rng.uniform(-0.02, 0.02, 100))
     blown = [52.0, 9.0, 1.5, *(0.04 * (1 + rng.normal(0, 0.1, 97)))]

@@ -15,6 +15,7 @@ from rlscope.cli import PROBE_KINDS, app
 from rlscope.errors import RlscopeError
 from rlscope.probe import ProbeSettings, plan_probes
 from rlscope.probe import interventions as iv
+from rlscope.probe.client import Breaker
 from rlscope.reader import open_run
 from rlscope.text import TagSet
 
@@ -348,3 +349,40 @@ def test_a_trainers_output_is_probed_through_its_import(tmp_path: Path) -> None:
         tmp_path / "cache",
         source,
     ]
+
+
+def test_the_breaker_trips_on_silence_not_on_a_slow_server() -> None:
+    now = [0.0]
+    breaker = Breaker(10, clock=lambda: now[0])
+    now[0] = 100.0  # idle since it was made: not asked, never tripped
+    assert not breaker.tripped
+    with breaker.asking():  # the clock starts when asked
+        now[0] = 109.0
+        assert not breaker.tripped
+        now[0] = 110.0
+        assert breaker.tripped  # asked, nothing answered for 10 s
+        breaker.answered()
+        assert not breaker.tripped
+    # Slow but answering: each request takes 8 s, nothing trips.
+    for _ in range(5):
+        with breaker.asking():
+            now[0] += 8
+            breaker.answered()
+        assert not breaker.tripped
+    # Refused at once, again and again (no request outstanding in between): trips 10 s after
+    # the last answer, however short each failure.
+    last = now[0]
+    while now[0] < last + 10:
+        with breaker.asking():
+            now[0] += 0.5
+        breaker.failed("connection")
+        assert breaker.tripped == (now[0] >= last + 10)
+    assert breaker.tripped and breaker.failure == "connection"
+    breaker.answered()  # back (restarted within the window): the clock starts again
+    assert not breaker.tripped and breaker.failure is None
+    # A client idle for long (writing, planning) does not trip on its next request.
+    now[0] += 1000
+    with breaker.asking():
+        assert not breaker.tripped
+        now[0] += 9.9
+        assert not breaker.tripped

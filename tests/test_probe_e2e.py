@@ -1,10 +1,18 @@
 """`rlscope probe` end to end against a real server: `transformers serve` on 127.0.0.1 serving the
 tiny reasoner (tests/trainers/tiny_reasoner.py, tests/probe_server.py). The run's rollouts are
-the served model's own samples; the probes go through the CLI."""
+the served model's own samples; the probes go through the CLI. A server that dies or hangs mid-run
+is given up on after --give-up-after seconds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
+import re
+import selectors
+import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,13 +21,22 @@ from typing import Any
 
 import polars as pl
 import pytest
-from conftest import run_trainer
-from probe_server import Server, sampled_run, served, tiny_reasoner_dir
+from conftest import run_cli, run_trainer
+from probe_server import (
+    HOST,
+    Server,
+    add_task,
+    free_port,
+    sampled_run,
+    served,
+    tiny_reasoner_dir,
+)
 from typer.testing import CliRunner
 
 from rlscope.analysis import analyze
 from rlscope.cli import app
 from rlscope.integrations.trl import IN_LOOP_MODEL
+from rlscope.probe.client import Breaker, Endpoint, Usage
 from rlscope.writer import RunWriter
 
 pytestmark = pytest.mark.slow
@@ -148,6 +165,244 @@ def test_a_server_stopped_mid_run_then_restarted_completes_without_duplicates(
     probes = _probes(run)
     assert probes.height == plan["probes_planned"]
     assert probes.select("rollout_id", "intervention", "fraction").n_unique() == probes.height
+
+
+# --- a server gone or hung mid-run: given up on after --give-up-after seconds ------------------
+
+GIVE_UP = 5
+#: Seconds past the window a give-up may take: the watch's tick, cancelling, the message's
+#: connection, and (process=True) the interpreter's start.
+MARGIN = 15
+GONE = re.compile(r"(\d+) of (\d+) probes were written and are kept; (\d+) are left")
+
+
+def _stalled(server: Server, stop: Any, run: Path, *args: str) -> tuple[Any, float]:
+    """`rlscope probe` in a process of its own (bounded by run_cli's timeout), `stop` applied to
+    the server once it has answered a few probes; the result and the seconds from stop's return
+    to the command's exit."""
+    start = server.requests("POST", "/v1/completions")
+    stopped: list[float] = []
+
+    def stop_after_some() -> None:
+        deadline = time.monotonic() + 60
+        while server.requests("POST", "/v1/completions") - start < 6:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        stop()
+        stopped.append(time.monotonic())
+
+    stopper = threading.Thread(target=stop_after_some)
+    stopper.start()
+    base = ["probe", str(run), "--endpoint", server.url, "--model", server.model]
+    result = run_cli(*base, *args, process=True)
+    ended = time.monotonic()
+    stopper.join()
+    assert stopped, "the run ended before the server answered 6 probes"
+    return result, ended - stopped[0]
+
+
+def _resumed(server: Server, run: Path, args: list[str], result: Any) -> None:
+    """The probes the failed command reported written are on disk; a rerun asks the rest, none
+    twice."""
+    found = GONE.search(result.stderr)
+    assert found, result.stderr
+    written, planned, left = map(int, found.groups())
+    assert 0 < written < planned and written + left == planned
+    assert _probes(run).height == written  # kept
+    again = _probe(run, server, *args)
+    assert again.exit_code == 0, again.output
+    second = json.loads(again.output)
+    assert second["probes_already"] == written and second["probes_written"] == left
+    probes = _probes(run)
+    assert probes.height == planned
+    assert probes.select("rollout_id", "intervention", "fraction").n_unique() == probes.height
+
+
+STALL_ARGS = [
+    "--kinds",
+    "truncate",
+    "--per-step",
+    "8",
+    "--format",
+    "json",
+    "--max-tokens",
+    "8",
+    "--concurrency",
+    "2",
+]
+GIVE_UP_ARGS = [*STALL_ARGS, "--give-up-after", str(GIVE_UP)]
+
+
+def test_a_server_killed_mid_run_is_given_up_on_and_a_rerun_resumes(
+    server: Server, tmp_path: Path
+) -> None:
+    """The issue's case: the server killed mid-run, its port then refusing, and the default
+    retries with backoff for every probe left. The command gives up GIVE_UP s after the last
+    answer, keeps what was answered, and says so."""
+    run = sampled_run(server, tmp_path / "run", STEPS, PER_STEP)
+    try:
+        result, after = _stalled(server, server.stop, run, *GIVE_UP_ARGS)
+        print(f"gave up {after:.1f} s after the server stopped:", result.stderr)
+        assert result.returncode == 2, result.stderr
+        assert after < GIVE_UP + MARGIN
+        assert result.stdout == "" and "Traceback" not in result.stderr
+        message = " ".join(result.stderr.split())
+        assert f"{server.url} stopped answering: connection refused for {GIVE_UP} s" in message
+        assert "run the same command again" in message and "resumes" in message
+    finally:
+        if not server.running:
+            server.start()
+    _resumed(server, run, STALL_ARGS, result)
+
+
+def test_a_server_frozen_mid_run_is_given_up_on_and_a_rerun_resumes(
+    server: Server, tmp_path: Path
+) -> None:
+    """An engine that hangs: the server's processes stopped (SIGSTOP), so its port still accepts
+    connections (the kernel completes them) and nothing answers; the requests in flight are
+    cancelled, not left to their 120 s timeout."""
+    run = sampled_run(server, tmp_path / "run", STEPS, PER_STEP)
+    assert server.process is not None
+    group = server.process.pid
+    try:
+        result, after = _stalled(
+            server, lambda: os.killpg(group, signal.SIGSTOP), run, *GIVE_UP_ARGS
+        )
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    print(f"gave up {after:.1f} s after the server froze:", result.stderr)
+    assert result.returncode == 2, result.stderr
+    assert after < GIVE_UP + MARGIN
+    message = " ".join(result.stderr.split())
+    assert f"{server.url} stopped answering: no answer for {GIVE_UP} s" in message
+    assert "accepts connections" in message
+    _resumed(server, run, STALL_ARGS, result)
+
+
+def test_a_server_restarted_within_the_window_is_used_again(server: Server, tmp_path: Path) -> None:
+    """The default window (60 s) outlasts a restart of the server (a few seconds): the command
+    never gives up, the retries carry the probes over the gap, and any that failed meanwhile are
+    counted and asked by the next run."""
+    run = sampled_run(server, tmp_path / "run", STEPS, PER_STEP)
+
+    def restart() -> None:
+        server.stop()
+        server.start()
+
+    result, _ = _stalled(server, restart, run, *STALL_ARGS)
+    print(f"restarted in {server.start_seconds:.1f} s:", result.stdout)
+    assert result.returncode == 0, result.stderr
+    done = json.loads(result.stdout)
+    assert done["probes_written"] > 0
+    left = done["probes_planned"] - done["probes_written"]
+    again = json.loads(_probe(run, server, *STALL_ARGS).output)
+    assert again["probes_already"] == done["probes_written"] and again["probes_written"] == left
+    probes = _probes(run)
+    assert probes.height == done["probes_planned"]
+    assert probes.select("rollout_id", "intervention", "fraction").n_unique() == probes.height
+
+
+@contextlib.contextmanager
+def silent_listener() -> Iterator[int]:
+    """A TCP peer on 127.0.0.1 (its port yielded) that accepts connections and reads what is
+    sent, and never writes a byte: an engine whose front end is up and whose generation is
+    stuck. Not an OpenAI server: nothing of the API is imitated."""
+    listener = socket.socket()
+    listener.bind((HOST, 0))
+    listener.listen(64)
+    listener.setblocking(False)
+    done = threading.Event()
+
+    def serve() -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(listener, selectors.EVENT_READ)
+            while not done.is_set():
+                for key, _ in selector.select(timeout=0.1):
+                    sock: socket.socket = key.fileobj  # type: ignore[assignment]
+                    if sock is listener:
+                        selector.register(listener.accept()[0], selectors.EVENT_READ)
+                    elif not sock.recv(65536):
+                        selector.unregister(sock)
+                        sock.close()
+            for key in list(selector.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield int(listener.getsockname()[1])
+    finally:
+        done.set()
+        thread.join(5)
+
+
+def test_a_server_that_accepts_and_never_answers_is_given_up_on(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    tasks = [add_task(i, i + 1, 2) for i in range(6)]
+    with RunWriter(run, run_id="silent", algorithm="GRPO") as writer:
+        writer.log_rollouts(
+            {
+                "rollout_id": list(range(len(tasks))),
+                "step": [0] * len(tasks),
+                "prompt_id": [prompt for prompt, _, _ in tasks],
+                "reward": [1.0] * len(tasks),
+                "response_len": [12] * len(tasks),
+                "prompt": [prompt for prompt, _, _ in tasks],
+                "response": [f" <think> {c} </think> <answer> {a} </answer>" for _, c, a in tasks],
+                "answer": [answer for _, _, answer in tasks],
+            }
+        )
+    with silent_listener() as port:
+        url = f"http://{HOST}:{port}/v1"
+        began = time.monotonic()
+        result = run_cli(
+            "probe",
+            str(run),
+            "--endpoint",
+            url,
+            "--model",
+            "m",
+            "--give-up-after",
+            "2",
+            process=True,
+        )
+        took = time.monotonic() - began
+    assert result.returncode == 2, result.stderr
+    assert took < 2 + MARGIN
+    message = " ".join(result.stderr.split())
+    assert f"{url} stopped answering: no answer for 2 s, though it accepts connections" in message
+    assert "None of the" in message and "run the same command again" in message
+    assert not (run / "probes").exists()
+
+
+def test_the_message_tells_how_the_server_stopped_answering() -> None:
+    """A port that refuses, one that accepts and never answers, and one that answered 5xx."""
+
+    async def how(url: str, failure: str | None = None) -> str:
+        breaker = Breaker(2)
+        if failure is not None:
+            breaker.failed(failure)
+        endpoint = Endpoint(
+            url,
+            "m",
+            api_key_env="RLSCOPE_TEST_NO_KEY",
+            limit=asyncio.Semaphore(1),
+            usage=Usage(),
+            timeout=1,
+            retries=0,
+            breaker=breaker,
+        )
+        try:
+            return (await endpoint.gone()).how
+        finally:
+            await endpoint.close()
+
+    with silent_listener() as port:
+        url = f"http://{HOST}:{port}/v1"
+        assert asyncio.run(how(url)) == "no answer for 2 s, though it accepts connections"
+        assert asyncio.run(how(url, "HTTP 503")) == "HTTP 503 to every request for 2 s"
+    assert asyncio.run(how(f"http://{HOST}:{free_port()}/v1")) == "connection refused for 2 s"
 
 
 def test_bad_input_exits_2_and_writes_nothing(server: Server, tmp_path: Path) -> None:

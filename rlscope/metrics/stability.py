@@ -289,7 +289,7 @@ def _mismatch_variants(
             custom(
                 "tokens",
                 (column, "rollout_logprob"),
-                partial(_token_mean_and_se, *names),
+                partial(_token_mean_and_se, names[0], names[1], names[2]),
                 dict(zip(names, (value.sum(), value.count(), (value**2).sum()), strict=True)),
                 source=f"tokens: token-mean {source}, d = {column} - rollout_logprob",
             )

@@ -7,17 +7,20 @@ answer (an editor model rewrites steps for `mistake` and `paraphrase`), extracts
 with the importers' rule, and appends the probe rows to the run through a TableWriter, as new
 part files: existing files are never modified, and a killed process leaves only complete parts.
 A probe already in the run with the same (rollout, kind, fraction, model) is not asked again, so
-an interrupted run of the command, started again, finishes without a duplicate row.
+an interrupted run of the command, started again, finishes without a duplicate row. A server that
+answers nothing for `give_up_after` seconds is given up on (ServerGone): the requests in flight
+are cancelled, what was answered is written, and the error says how many probes are left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +31,15 @@ import polars as pl
 from rlscope.errors import RlscopeError
 from rlscope.importers.text import answer_expr
 from rlscope.probe import interventions as iv
-from rlscope.probe.client import Backend, Endpoint, Reply, Usage
+from rlscope.probe.client import (
+    GIVE_UP_AFTER,
+    Backend,
+    Breaker,
+    Endpoint,
+    Reply,
+    ServerGone,
+    Usage,
+)
 from rlscope.reader import Run, open_run
 from rlscope.tablewriter import TableWriter
 from rlscope.text import TagSet
@@ -52,6 +63,8 @@ PROBE_RANK = 900
 FLUSH_PROBES = 64
 #: Tokens a word costs, roughly, for the dry run's estimate (BPE tokenizers: ~0.75 words a token).
 TOKENS_PER_WORD = 1.3
+#: Seconds cancelled requests may take to end before their answered probes are written anyway.
+CANCEL_SECONDS = 5.0
 
 Progress = Callable[[int, int], None]
 
@@ -77,6 +90,7 @@ class ProbeSettings:
     api_key_env: str = "OPENAI_API_KEY"
     timeout: float = 120.0
     retries: int = 4
+    give_up_after: float = GIVE_UP_AFTER
     tags: TagSet = field(default_factory=TagSet)
 
     def __post_init__(self) -> None:
@@ -91,6 +105,8 @@ class ProbeSettings:
                 raise RlscopeError(f"--fractions for {kind}: each must be in [0, 1]")
         if self.per_step < 1 or self.concurrency < 1 or self.max_tokens < 1:
             raise RlscopeError("--per-step, --concurrency and --max-tokens must be at least 1")
+        if not self.give_up_after > 0:
+            raise RlscopeError("--give-up-after must be more than 0 seconds")
 
     def fractions_of(self, kind: str) -> tuple[float, ...]:
         return self.fractions.get(kind) or iv.DEFAULT_FRACTIONS[kind]
@@ -465,6 +481,7 @@ async def _ask_all(
 ) -> None:
     usage = Usage()
     limit = asyncio.Semaphore(settings.concurrency)
+    breakers: dict[str, Breaker] = {}  # one a server: the policy's and the editor's may differ
 
     def endpoint(url: str, model: str) -> Endpoint:
         return Endpoint(
@@ -475,6 +492,7 @@ async def _ask_all(
             usage=usage,
             timeout=settings.timeout,
             retries=settings.retries,
+            breaker=breakers.setdefault(url, Breaker(settings.give_up_after)),
         )
 
     policy = endpoint(settings.endpoint, settings.model)
@@ -487,16 +505,40 @@ async def _ask_all(
         if separate_editor
         else policy
     )
-    try:
+
+    async def ask() -> None:
         await policy.check(chat=any(t.prompt is None for t in targets))
         if editing:  # the editor is asked in chat, a new turn
             await editor.check(chat=True, continuing=False)
         await ask_targets(targets, Asker(policy, editor, settings), writer, summary, progress)
+
+    try:
+        await _watched(ask(), [policy, editor])
     finally:
         summary.add_usage(usage)
-        await policy.close()
-        if editor is not policy:
-            await editor.close()
+        for client in {id(policy): policy, id(editor): editor}.values():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(client.close(), CANCEL_SECONDS)
+
+
+async def _watched(work: Coroutine[Any, Any, None], endpoints: Sequence[Endpoint]) -> None:
+    """`work`, unless a server's breaker trips first: then the work is cancelled (and hands over
+    what was answered) and ServerGone says which server and how."""
+    task = asyncio.ensure_future(work)
+    tick = min(0.5, min(e.breaker.stall for e in endpoints) / 4)
+    try:
+        while True:
+            await asyncio.wait({task}, timeout=tick)
+            if task.done():
+                task.result()  # its error, if it failed
+                return
+            tripped = next((e for e in endpoints if e.breaker.tripped), None)
+            if tripped is not None:
+                task.cancel()
+                await asyncio.wait({task}, timeout=CANCEL_SECONDS)
+                raise await tripped.gone()
+    finally:
+        task.cancel()  # a no-op once done; else the work ends with its caller (Ctrl-C)
 
 
 async def ask_targets(
@@ -519,10 +561,14 @@ async def ask_targets(
             summary.probes_written += len(answered)
             answered.clear()
 
+    async def ask(target: Target, probe: Probe) -> None:
+        row = await asker.one(target, probe)
+        if row is not None:  # kept at once: the target's other probes may yet be cancelled
+            answered.append(row)
+
     async def target_done(target: Target) -> None:
         nonlocal done
-        rows = await asyncio.gather(*(asker.one(target, p) for p in target.probes))
-        answered.extend(r for r in rows if r is not None)
+        await asyncio.gather(*(ask(target, p) for p in target.probes))
         if len(answered) >= FLUSH_PROBES:
             hand_over()
         done += len(target.probes)
@@ -538,7 +584,13 @@ async def ask_targets(
         if pending:
             await asyncio.gather(*pending)
     finally:
-        hand_over()  # what was answered is kept, also when interrupted
+        # Cancelled (a server gone, Ctrl-C) or failed: the rest is cancelled, what was answered
+        # is kept.
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=CANCEL_SECONDS)
+        hand_over()
 
 
 def with_answers(rows: list[dict[str, Any]]) -> pl.DataFrame:
@@ -569,7 +621,9 @@ def probe_run(
     """Probe the run at `path` (a format-v1 run directory) and append the probes to it.
 
     Checks the server first (it answers, offers the model, serves the endpoint needed): an
-    RlscopeError before anything is written otherwise. With `dry_run`, only plans."""
+    RlscopeError before anything is written otherwise. A server that answers nothing for
+    `settings.give_up_after` seconds is given up on: what was answered is written, then an
+    RlscopeError says which server and how many probes are left. With `dry_run`, only plans."""
     started = time.monotonic()
     run = open_run(path, steps=settings.steps)
     targets, summary = plan_probes(run, settings)
@@ -578,9 +632,25 @@ def probe_run(
         summary.seconds = time.monotonic() - started
         return summary
     writer = TableWriter(run.path, rank=PROBE_RANK, flush_rows={"probes": FLUSH_PROBES})
+    gone: ServerGone | None = None
     try:
         run_coroutine(_ask_all(targets, settings, writer, summary, progress))
+    except ServerGone as exc:
+        gone = exc
     finally:
         writer.close()  # what was answered is kept, in complete part files
         summary.seconds = time.monotonic() - started
+    if gone is not None:
+        written, planned = summary.probes_written, summary.probes_planned
+        kept = (
+            f"{written} of {planned} probes were written and are kept"
+            if written
+            else f"None of the {planned} probes was written"
+        )
+        raise RlscopeError(
+            f"{gone.url} stopped answering: {gone.how}. {kept}; {planned - written} are left",
+            hint="run the same command again once the server answers: it resumes, asking only "
+            "the probes left (no duplicates); for a server that is only slow, raise "
+            "--give-up-after",
+        )
     return summary
