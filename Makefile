@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-all lint format docs samples bench clean
+.PHONY: demo test test-slow test-all lint format docs samples bench scorecard clean
 
 # The test stack (ruff, mypy, pytest, duckdb, dask, ray[client]…); `make demo` needs only rlscope.
 $(STAMP): pyproject.toml
@@ -37,6 +37,7 @@ test: $(STAMP)
 # and TRL in a venv of their own (with rlscope, for its callback), so that rlscope's own stays light.
 TRL_VENV := .venv-trl
 TRL_STAMP := $(TRL_VENV)/.installed
+TRL_SINKS := $(TRL_VENV)/.installed-sinks
 $(TRL_STAMP): Makefile pyproject.toml
 	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
 	# transformers[serving] (FastAPI, uvicorn, openai's types: ~35 MB) for `transformers serve`, the
@@ -48,6 +49,15 @@ $(TRL_STAMP): Makefile pyproject.toml
 	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e . \
 		"tensorboard>=2.14"
 	touch $(TRL_STAMP)
+
+# W&B and MLflow for tests/trainers/trl_lr_collapse.py's REPORT_TO (one run through every sink
+# transformers' Trainer reports to), apart from $(TRL_STAMP) so that `make test-slow` does not
+# install them. mlflow-skinny is enough: MLflowCallback uses only `mlflow`'s tracking API. Pinned
+# to the versions checked offline (W&B offline run files, an MLflow 3 file store).
+$(TRL_SINKS): $(TRL_STAMP)
+	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+		wandb==0.31.0 mlflow-skinny==3.18.0
+	touch $(TRL_SINKS)
 
 # The slow matrices (larger healthy-shape runs, a real TRL run); CI runs them after `make test`.
 test-slow: $(STAMP) $(TRL_STAMP)
@@ -84,5 +94,12 @@ bench: $(STAMP) $(TRL_STAMP)
 	$(BIN)/python benchmarks/bench_wandb.py
 	RLSCOPE_TRL_PYTHON=$(CURDIR)/$(TRL_VENV)/bin/python $(BIN)/python benchmarks/bench_probe.py
 
+# The scorecard: a corpus of genuine runs (real trainers on CPU, each fault by its mechanism,
+# healthy twins, every sink at once) made into .scorecard/ on first use, every finding and reader
+# measured on it at every prefix; the table goes to benchmarks/SCORECARD.md (~10 min on 2 cores).
+scorecard: $(STAMP) $(TRL_SINKS)
+	$(BIN)/python benchmarks/scorecard/score.py --python $(CURDIR)/$(TRL_VENV)/bin/python \
+		--out benchmarks/SCORECARD.md
+
 clean:
-	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .ruff_cache .scorecard

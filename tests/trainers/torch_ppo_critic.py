@@ -71,7 +71,7 @@ CRITIC_LR = {
 KL = {"init": 0.02, "target": 0.1, "horizon": 100}
 CRITIC_EPOCHS = 4  # verl critic.ppo_epochs
 MAX_RESPONSE = 16  # the response length cap (data.max_response_length)
-SEED = int(os.environ.get("SEED", "0"))  # the run's seed (environment: SEED)
+SEED = int(os.environ.get("TRAINER_SEED", "0"))  # the run's seed (environment: TRAINER_SEED)
 JUMP_STEP, JUMP_LR = 30, 3.0  # critic-lr-jump: the critic's learning rate from that step
 
 

@@ -6,9 +6,10 @@ learning rate), and stay quiet about it on the healthy run. A tiny from-scratch 
 (100 digit pairs x the verbs say, repeat, echo). Before RL a plain torch loop trains it on a noisy
 teacher (right with probability 0.75, else one digit changed; a trailing filler word 20% of the
 time), so it starts at ~0.8 accuracy with groups that disagree. GRPOTrainer then trains it for
-STEPS steps of 8 prompts x 8 completions (beta 0.04, so `kl` is logged) with rewards
+STEPS steps of 8 prompts x GENERATIONS completions (beta 0.04, so `kl` is logged) with rewards
 accuracy_reward (1 when the first two words are A B) and format_reward (0.25 for a two-word
-answer), writing OUT_DIR/completions/completions_<step:05d>.parquet and OUT_DIR/trainer_state.json.
+answer), both times REWARD_SCALE, writing OUT_DIR/completions/completions_<step:05d>.parquet and
+OUT_DIR/trainer_state.json.
 
 MODE (measured with the defaults, seed 0, 50 steps, ~14 s each on one thread):
   healthy   lr 5e-4, constant: accuracy 0.78 at step 1 (0.78 over steps 1-3) rising to 0.94
@@ -20,7 +21,7 @@ MODE (measured with the defaults, seed 0, 50 steps, ~14 s each on one thread):
             learning_rate is 2e-2 (a LambdaLR passed through `optimizers`). Accuracy 0.87 over
             steps 1-24 (min 0.73, kl <= 0.27), then 0.89, 0.53, 0.19 at steps 26-28 (kl 1.6,
             3.5, 3.7) and 0.03 over steps 41-50.
-Seeds 1 and 2 (SEED) give the same picture. Deterministic for a seed on one machine.
+Seeds 1 and 2 (TRAINER_SEED) give the same picture. Deterministic for a seed on one machine.
 
 With `--judge RUN_DIR STOP_ON EVERY` the run also carries rlscope's RlscopeCallback writing
 RUN_DIR, judging every EVERY steps and stopping on STOP_ON (`never`, `critical`, ids joined by
@@ -31,6 +32,32 @@ seconds and findings.
 
 Under `torchrun --nproc_per_node N` it trains on N CPU processes (gloo), each with its batch.
 
+Environment (each unset: the runs above):
+  TRAINER_SEED  the seed of everything (SFT data, model init, sampling); default 0.
+  TRAINER_GENERATIONS
+                num_generations, the group size; default 8 (the batch stays 8 prompts).
+  TRAINER_REWARD_SCALE
+                factor on both rewards; default 1. Where a group's equal rewards do not sum
+                exactly in float32, TRL's (r - mean) / (std + 1e-4) gives them advantages of
+                float noise, not 0 (measured, TRL 1.16): GENERATIONS=8 with 0.33 gives all-right
+                groups (0.4125 each) |advantage| ~6e-4. 0.1 leaves those exact (0.1 + 0.025
+                rounds to 0.125), only all-0.1 or all-0.025 groups get noise, and with
+                GENERATIONS=4 no scale gives any (four equal values sum exactly).
+  TRAINER_REPORT_TO
+                the Trainer's report_to, comma-separated (tensorboard, wandb, mlflow); default
+                none, or tensorboard with --judge. Every sink writes under OUT_DIR, offline, and
+                the W&B and MLflow runs are named after OUT_DIR's folder:
+                  tensorboard  OUT_DIR/runs/<time>_<host>/events.out.tfevents.*
+                  wandb        WANDB_MODE=offline, WANDB_DIR=OUT_DIR, WANDB_PROJECT=trl_lr_collapse:
+                               OUT_DIR/wandb/offline-run-<time>-<id>/run-<id>.wandb (history and
+                               TRL's completions table)
+                  mlflow       MLFLOW_TRACKING_URI=file://OUT_DIR/mlruns (absolute),
+                               MLFLOW_ALLOW_FILE_STORE=true (MLflow 3 refuses file stores
+                               otherwise), MLFLOW_EXPERIMENT_NAME=trl_lr_collapse,
+                               MLFLOW_DISABLE_TELEMETRY=true: OUT_DIR/mlruns/<experiment>/<run>/
+                A variable already set wins. wandb and mlflow(-skinny) come with
+                `make .venv-trl/.installed-sinks`, not with the slow tests' venv stamp.
+
 Usage: python trl_lr_collapse.py OUT_DIR {healthy,too-high,jump} [STEPS] [--judge RUN_DIR STOP_ON
 EVERY]  (STEPS defaults to 50)
 """
@@ -38,6 +65,7 @@ EVERY]  (STEPS defaults to 50)
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import tempfile
@@ -65,7 +93,12 @@ TOO_HIGH_LR = 2e-2
 JUMP_STEP = 25  # mode jump: the first step trained with HEALTHY_LR * JUMP_FACTOR
 JUMP_FACTOR = TOO_HIGH_LR / HEALTHY_LR
 MODES = ("healthy", "too-high", "jump")
-SEED = 0
+PROMPTS_PER_STEP = 8
+SEED = int(os.environ.get("TRAINER_SEED", "0"))
+GENERATIONS = int(os.environ.get("TRAINER_GENERATIONS", "8"))
+REWARD_SCALE = float(os.environ.get("TRAINER_REWARD_SCALE", "1"))
+REPORT_TO = [s for s in os.environ.get("TRAINER_REPORT_TO", "").replace(" ", "").split(",") if s]
+SINK_NAME = "trl_lr_collapse"  # the W&B project and the MLflow experiment
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -143,17 +176,36 @@ def _jump_optimizers(
 
 def accuracy_reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
     return [
-        1.0 if c.split()[:2] == a.split() else 0.0 for c, a in zip(completions, answer, strict=True)
+        REWARD_SCALE if c.split()[:2] == a.split() else 0.0
+        for c, a in zip(completions, answer, strict=True)
     ]
 
 
 def format_reward(completions: list[str], **_: Any) -> list[float]:
-    return [0.25 if len(c.split()) == 2 else 0.0 for c in completions]
+    return [0.25 * REWARD_SCALE if len(c.split()) == 2 else 0.0 for c in completions]
+
+
+def _sink_env(out: Path, report_to: list[str]) -> None:
+    """Point W&B and MLflow (read by transformers' WandbCallback and MLflowCallback, and by the
+    libraries themselves) at files under `out`, offline; a variable already set wins."""
+    out = out.resolve()
+    if "wandb" in report_to:
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_DIR", str(out))
+        os.environ.setdefault("WANDB_PROJECT", SINK_NAME)
+    if "mlflow" in report_to:
+        os.environ.setdefault("MLFLOW_TRACKING_URI", (out / "mlruns").as_uri())
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", SINK_NAME)
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
 def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
+    # OUT/runs/ with --judge: rlscope's metrics beside TRL's
+    report_to = REPORT_TO or (["tensorboard"] if judge else [])
+    _sink_env(out, report_to)
     tokenizer = _tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -178,8 +230,8 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
         # than the first would then save nothing (every process trains the same SFT policy).
         args = GRPOConfig(
             output_dir=str(out),
-            num_generations=8,
-            per_device_train_batch_size=64,
+            num_generations=GENERATIONS,
+            per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS,
             max_completion_length=4,
             max_steps=steps,
             learning_rate=TOO_HIGH_LR if mode == "too-high" else HEALTHY_LR,
@@ -187,7 +239,8 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
             beta=0.04,
             logging_steps=1,
             log_completions=True,
-            report_to=["tensorboard"] if judge else [],  # OUT/runs/: rlscope's metrics beside TRL's
+            report_to=report_to,
+            run_name=out.name if REPORT_TO else None,
             save_strategy="steps" if judge else "no",
             save_steps=10 * steps,
             use_cpu=True,
@@ -220,6 +273,11 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
         trainer.train()
         seconds = time.perf_counter() - started
     trainer.save_state()  # OUT/trainer_state.json
+    if "wandb" in report_to:
+        import wandb
+
+        # WandbCallback leaves the run open until exit: close its file before the summary line.
+        wandb.finish()
     judgements = [
         {"step": j.step, "seconds": j.seconds, "findings": [f.id for f in j.findings]}
         for c in callbacks
