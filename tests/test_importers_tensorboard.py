@@ -127,6 +127,32 @@ def test_trl_tags_as_tensors(tmp_path: Path) -> None:
     assert frame["train/epoch"][-1] == pytest.approx(3.0, rel=1e-6)  # unknown tag: extra column
 
 
+def test_the_trainers_args_text_gives_run_json(tmp_path: Path) -> None:
+    """transformers' TensorBoardCallback writes the Trainer's arguments once as text
+    (`add_text("args", args.to_json_string())`, which torch's SummaryWriter stores under
+    `args/text_summary`): GRPOConfig's group size, clip ratios, completion cap and gradient clip
+    reach run.json, so grad-spike judges what passes the clip as for the other readers."""
+    folder = write_events(
+        tmp_path / "runs" / "Dec01", {s: {"train/grad_norm": 1.0} for s in (1, 2)}
+    )
+    args = {"num_generations": 4, "epsilon": 0.2, "epsilon_high": 0.28, "max_grad_norm": 0.5}
+    args |= {"max_completion_length": 256, "learning_rate": 1e-6, "output_dir": "/x"}
+    writer = EventFileWriter(str(folder))
+    summary = summary_pb2.Summary()
+    text = summary.value.add(
+        tag="args/text_summary", tensor=tensor_util.make_tensor_proto(json.dumps(args, indent=2))
+    )
+    text.metadata.plugin_data.plugin_name = "text"
+    writer.add_event(event_pb2.Event(step=0, wall_time=999.0, summary=summary))
+    writer.close()
+    result = import_run("tensorboard", tmp_path / "runs", tmp_path / "out")
+    meta = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert meta["group_size"] == 4 and meta["max_grad_norm"] == 0.5
+    assert meta["clip_ratio_low"] == 0.2 and meta["clip_ratio_high"] == 0.28
+    assert meta["max_response_len"] == 256
+    assert any("`args` text summary" in n for n in result.notes)
+
+
 def write_openrlhf(folder: Path, steps: range, *, kl: float = 0.0) -> None:
     """OpenRLHF's TensorboardLogger.log_train (openrlhf/utils/logging_utils.py, v0.11.0) on the
     writer under torch's SummaryWriter (tensorboard's EventFileWriter): add_scalar("train/<k>")

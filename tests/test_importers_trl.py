@@ -162,6 +162,19 @@ def test_healthy_pass_at_1_is_accuracy(tmp_path: Path) -> None:
     assert value(report, "signal.reward") == pytest.approx(1.16875, abs=1e-6)
 
 
+def test_the_gradient_clip_is_transformers_default_or_the_option(tmp_path: Path) -> None:
+    """TRL's output dir does not record max_grad_norm: transformers' default 1.0 (GRPOConfig
+    keeps it), said in provenance; the option sets another, 0 none. grad-spike then judges what
+    passes the clip, as from W&B's config or TensorBoard's args text."""
+    import_run("trl", HEALTHY, tmp_path / "default")
+    meta = json.loads((tmp_path / "default" / "run.json").read_text())
+    assert meta["max_grad_norm"] == 1.0
+    assert "TrainingArguments default" in meta["provenance"]["max_grad_norm"]
+    import_run("trl", HEALTHY, tmp_path / "none", max_grad_norm=0)
+    meta = json.loads((tmp_path / "none" / "run.json").read_text())
+    assert "max_grad_norm" not in meta and meta["provenance"]["max_grad_norm"].startswith("0:")
+
+
 def test_unrecognised_reward_functions_skip_correctness(tmp_path: Path) -> None:
     """Reward functions `foo` and `bar`: no guess. No correct column, run.json says why, the
     reader derives nothing, every metric needing rollouts.correct is skipped; naming the

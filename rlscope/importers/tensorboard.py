@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,13 +10,16 @@ from typing import Any
 
 from rlscope.errors import RlscopeError
 from rlscope.importers._common import StepRows
-from rlscope.importers._tags import TAGS, all_zero_rows, resolve, with_mapping
+from rlscope.importers._tags import TAGS, all_zero_rows, config_fields, resolve, with_mapping
 from rlscope.importers.options import COMMON_OPTIONS
 from rlscope.importers.session import Importer, Session
 
 #: The optional extra that brings the event-file reader.
 EXTRA = "tensorboard"
 EVENT_GLOB = "*tfevents*"
+#: transformers' TensorBoardCallback `add_text("args", ...)`: torch's SummaryWriter stores the
+#: tag as `<tag>/text_summary`, tensorboardX as it is.
+ARGS_TAGS = ("args/text_summary", "args")
 
 
 def _loader() -> Any:
@@ -40,10 +44,13 @@ def event_files(source: Path) -> list[Path]:
     return sorted(found, key=lambda p: (p.name, p.as_posix()))
 
 
-def _scalars(path: Path, loader: Any, skipped: dict[str, int]) -> Iterator[tuple[int, str, float]]:
+def _scalars(
+    path: Path, loader: Any, skipped: dict[str, int], texts: dict[str, str]
+) -> Iterator[tuple[int, str, float]]:
     """(step, tag, value) of every scalar summary in one event file. Simple values (torch,
-    tensorboardX) and one-element tensors (TF2, `tensorboard.summary`) are scalars; other
-    summaries (histograms, images, text) are counted in `skipped`."""
+    tensorboardX) and one-element tensors (TF2, `tensorboard.summary`) are scalars; text
+    summaries of the Trainer's arguments (ARGS_TAGS) go to `texts` by tag (the last one read);
+    other summaries (histograms, images, other text) are counted in `skipped`."""
     try:
         events = iter(loader(str(path)).Load())
         while True:
@@ -56,6 +63,10 @@ def _scalars(path: Path, loader: Any, skipped: dict[str, int]) -> Iterator[tuple
             for value in event.summary.value:
                 number = _number(value)
                 if number is None:
+                    text = _text(value) if value.tag in ARGS_TAGS else None
+                    if text is not None:
+                        texts[value.tag] = text
+                        continue
                     skipped[value.tag] = skipped.get(value.tag, 0) + 1
                     continue
                 yield int(event.step), value.tag, number
@@ -85,6 +96,29 @@ def _number(value: Any) -> float | None:
     return None
 
 
+def _text(value: Any) -> str | None:
+    """A text summary's string (`add_text`: a string tensor of the `text` plugin)."""
+    if value.WhichOneof("value") != "tensor" or value.metadata.plugin_data.plugin_name != "text":
+        return None
+    strings = value.tensor.string_val
+    return strings[0].decode("utf-8", "replace") if len(strings) == 1 else None
+
+
+def _trainer_args(texts: dict[str, str], session: Session) -> None:
+    """run.json fields from transformers' Trainer arguments, which its TensorBoardCallback
+    writes once as the text summary `args` (integration_utils.py `on_train_begin`:
+    `add_text("args", args.to_json_string())`; TRL's GRPOConfig among them)."""
+    text = next((texts[tag] for tag in ARGS_TAGS if tag in texts), None)
+    try:
+        config = json.loads(text) if text is not None else None
+    except ValueError:
+        return
+    if isinstance(config, dict):
+        provenance = config_fields(config, session, "the Trainer's `args` text summary")
+        if provenance:
+            session.meta["provenance"] = {**session.meta.get("provenance", {}), **provenance}
+
+
 def import_tensorboard(session: Session) -> None:
     """TensorBoard event files (`events.out.tfevents.*`, in DIR or any folder below it, or one
     such file) -> the steps table only. Needs the `tensorboard` package
@@ -94,7 +128,11 @@ def import_tensorboard(session: Session) -> None:
 
     {MAPPING}
 
-    Histograms, images and text are skipped and counted in the notes. The step is the event's
+    run.json from the Trainer's arguments where its TensorBoardCallback wrote them (the text
+    summary `args`: group size = num_generations, clip ratios = epsilon / epsilon_high,
+    max_response_len = max_completion_length, max_grad_norm), as for W&B's config.
+    Histograms, images and other text are skipped and counted in the notes. The step is the
+    event's
     step (verl's global step, the Trainer's and OpenRLHF's global_step). A source with no event
     file, or whose files hold no scalar, is an error."""
     loader = _loader()
@@ -107,6 +145,7 @@ def import_tensorboard(session: Session) -> None:
         )
     per_file: list[tuple[Path, dict[int, dict[str, float]]]] = []
     skipped: dict[str, int] = {}
+    texts: dict[str, str] = {}
     any_scalar = False
     for done, path in enumerate(files, 1):
         status = session.read_status(path, done, len(files))
@@ -114,7 +153,7 @@ def import_tensorboard(session: Session) -> None:
             any_scalar = True  # imported before
             continue
         by_step: dict[int, dict[str, float]] = {}
-        for step, tag, value in _scalars(path, loader, skipped):
+        for step, tag, value in _scalars(path, loader, skipped, texts):
             by_step.setdefault(step, {})[tag] = value
         any_scalar = any_scalar or bool(by_step)
         per_file.append((path, by_step))
@@ -124,6 +163,7 @@ def import_tensorboard(session: Session) -> None:
             f"{session.source}: the event files hold no scalar value",
             hint="rlscope reads scalars (add_scalar / tf.summary.scalar)",
         )
+    _trainer_args(texts, session)
     resolved = resolve(all_zero_rows((r for _, rows in per_file for r in rows.values()), TAGS))
     mapping = resolved.mapping
     session.notes += resolved.notes

@@ -111,6 +111,10 @@ def import_trl(session: Session) -> None:
                 With "batch", `is_std_zero` uses the batch std, so TRL's
                 frac_reward_zero_std is 0 or 1 per batch: it is kept in steps as
                 `frac_reward_zero_std_batch` and never compared with the group share.
+      max_grad_norm  run.json's gradient clip (grad-spike judges what passes it): the
+                option, else transformers' TrainingArguments default 1.0, which GRPOConfig
+                keeps: the output dir does not record the run's arguments
+                (training_args.bin is a pickle, never loaded); provenance says which.
       response  the completion (chat messages: the assistant contents joined with "\\n");
                 the prompt text (all messages joined) is kept as column `prompt`.
       answer    the last <answer>...</answer>, else the last \\boxed{...}, else null.
@@ -399,8 +403,27 @@ def _set_meta(session: Session) -> None:
             provenance["frac_reward_zero_std"] = (
                 f"scale_rewards='{scale}' ({how}): the share of groups with zero reward σ, compared"
             )
+    clip = session.options.get("max_grad_norm")
+    if clip is None:
+        clip, how = (
+            TRAINER_MAX_GRAD_NORM,
+            (
+                "transformers' TrainingArguments default (TRL's output dir does not record the "
+                "run's arguments; -X max_grad_norm=X when the run set another, 0 for none)"
+            ),
+        )
+    else:
+        how = "the max_grad_norm option"
+    if clip > 0:
+        meta["max_grad_norm"] = float(clip)
+    provenance["max_grad_norm"] = f"{clip:g}: {how}"
     if provenance:
         meta["provenance"] = provenance
+
+
+#: transformers' TrainingArguments.max_grad_norm default, which GRPOConfig keeps (training_args.py;
+#: checked on transformers 5.25 and TRL 1.16).
+TRAINER_MAX_GRAD_NORM = 1.0
 
 
 def find_trainer_state(source: Path) -> Path | None:
@@ -911,6 +934,13 @@ TRL = Importer(
             choices=lambda v: None if v in ("group", "batch", "none") else "group, batch or none",
         ),
         OOD_SETS_OPTION,
+        Option(
+            "max_grad_norm",
+            "float",
+            None,
+            "GRPOConfig.max_grad_norm, the gradient clip (default transformers' 1.0; 0: none)",
+            choices=lambda v: None if v >= 0 else "must be at least 0",
+        ),
         Option(
             "num_generations_eval",
             "int",
