@@ -199,3 +199,43 @@ def test_pairwise_diversity_does_not_depend_on_the_rows_order(variant: str) -> N
     ]
     for other in results[1:]:
         assert other["value"].to_list() == results[0]["value"].to_list()
+
+
+def test_collapsed_groups_and_their_correct_modes(write_run: WriteRun) -> None:
+    """exploration.cluster_sizes' per-step components, counted with Python: groups whose
+    largest identical cluster is at least half of them, and of those, the ones whose largest
+    cluster is correct (a tie of sizes: a correct one wins)."""
+    rng = np.random.default_rng(4)
+    answers = ["a b", "a c", "d e"]
+    rows: dict[str, list] = {k: [] for k in ("rollout_id", "step", "prompt_id", "reward")}
+    rows |= {"response_len": [], "response": [], "correct": []}
+    groups: dict[int, list[list[tuple[str, bool]]]] = {}
+    for step in range(6):
+        for g in range(5):
+            size = int(rng.integers(2, 7))
+            group = [(str(rng.choice(answers)), bool(rng.random() < 0.5)) for _ in range(size)]
+            for text, right in group:
+                rows["rollout_id"].append(len(rows["rollout_id"]))
+                rows["step"].append(step)
+                rows["prompt_id"].append(f"p{g}")
+                rows["reward"].append(float(right))
+                rows["response_len"].append(2)
+                rows["response"].append(text)
+                rows["correct"].append(right)
+            groups.setdefault(step, []).append(group)
+    frame = compute(open_run(write_run({"rollouts": rows}))).frames["exploration.cluster_sizes"]
+    got = {r["step"]: r for r in frame.iter_rows(named=True)}
+    for step, step_groups in groups.items():
+        collapsed = correct = 0
+        for group in step_groups:
+            clusters: dict[str, list[bool]] = {}
+            for text, right in group:
+                clusters.setdefault(text, []).append(right)
+            top = max(len(c) for c in clusters.values())
+            if top < 0.5 * len(group):
+                continue
+            collapsed += 1
+            shares = [sum(c) / len(c) for c in clusters.values() if len(c) == top]
+            correct += max(shares) > 0.5
+        assert got[step]["extra_collapsed"] == collapsed, step
+        assert got[step]["extra_collapsed_correct"] == correct, step

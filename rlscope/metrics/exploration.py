@@ -121,18 +121,52 @@ DECLARED.metric(
 )
 
 
+#: A group is collapsed when its largest identical cluster holds at least this share of it.
+COLLAPSED_SHARE = 0.5
+
+
 def _largest_cluster(key: str):
     def series(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         groups = _clusters(frame, key).with_columns(
             (pl.col("sizes").list.max() / pl.col("n")).alias("largest")
         )
-        return groups.group_by("step").agg(
+        steps = groups.group_by("step").agg(
             ordered_mean(pl.col("largest")).alias("value"),
             pl.col("sizes").list.explode(keep_nulls=False, empty_as_null=False).alias("sizes"),
             pl.col("n").alias("group_sizes"),
         )
+        if "correct" not in frame.collect_schema():
+            return steps
+        return steps.join(_collapsed(frame, key), on="step", how="left")
 
     return series
+
+
+def _collapsed(frame: pl.LazyFrame, key: str) -> pl.LazyFrame:
+    """Per step, the train groups whose largest identical cluster is at least COLLAPSED_SHARE
+    of the group (`extra_collapsed`), and of them those whose largest cluster is a correct
+    answer (`extra_collapsed_correct`; on a tie of sizes, a correct one): a group converged on
+    the answer of a prompt it has learnt, or stuck on a wrong one."""
+    clusters = (
+        _keyed(frame, key)
+        .group_by(*GROUP, key)
+        .agg(pl.len().alias("size"), pl.col("correct").cast(pl.Float64).mean().alias("right"))
+        .sort("size", "right", descending=True, nulls_last=True)
+    )
+    groups = clusters.group_by(GROUP).agg(
+        pl.col("size").first().alias("largest"),
+        pl.col("size").sum().alias("n"),
+        pl.col("right").first().alias("mode_right"),
+    )
+    collapsed = (pl.col("n") >= 2) & (pl.col("largest") >= COLLAPSED_SHARE * pl.col("n"))
+    known = collapsed & pl.col("mode_right").is_not_null()
+    return groups.group_by("step").agg(
+        known.cast(pl.Float64).sum().alias("extra_collapsed"),
+        (known & (pl.col("mode_right") > 0.5))
+        .cast(pl.Float64)
+        .sum()
+        .alias("extra_collapsed_correct"),
+    )
 
 
 def _cluster_histogram(frame: pl.DataFrame, ctx: MetricContext) -> dict[str, Any]:
@@ -173,7 +207,11 @@ DECLARED.metric(
         "without text) form a cluster. Per step: the mean share of a group taken by its "
         "largest cluster (1/N = all distinct, 1 = one mode). The JSON's `cluster_sizes` holds "
         "the distribution of cluster sizes over the run and the final window (GiGPO's Fig. 5: "
-        "step-level groups concentrating at size N means exploration is lost).",
+        "step-level groups concentrating at size N means exploration is lost). With "
+        "correctness, per step: `collapsed`, the groups whose largest cluster is at least half "
+        "of them, and `collapsed_correct`, those whose largest cluster is a correct answer "
+        "(diversity-collapse tells a policy converged on answers it learnt from one stuck on "
+        "wrong ones, at every prefix from the steps' own groups).",
         healthy="close to 1/N; mass at size 1 in the cluster-size distribution",
         summary=_cluster_histogram,
         references="Feng et al. 2025, GiGPO (Fig. 5)",

@@ -8,6 +8,7 @@ import polars as pl
 
 from rlscope.rules.base import MIN_TREND_STEPS, RuleContext, compare_windows, final_mean, pct
 from rlscope.spec import Declarations, Finding, Param, Severity
+from rlscope.windows import window_size
 
 #: This layer's findings, in order (collected by rlscope.catalog).
 DECLARED = Declarations()
@@ -35,33 +36,19 @@ def _collapsed_group(ctx: RuleContext, last_step: int) -> list[int]:
     return [int(i) for i in clusters["rollout_id"][0][:8]]
 
 
-def _converged_share(ctx: RuleContext, mode_share: float) -> float | None:
-    """Of the train groups of the rows kept (the final window) whose largest identical cluster
-    is at least `mode_share` of the group, the share whose largest cluster is correct (on a tie,
-    a correct one). None without such groups or without correctness."""
-    rows = ctx.rollout_rows()
-    if rows is None or "correct" not in rows.columns or "trajectory_key" not in rows.columns:
+def _converged_share(ctx: RuleContext) -> float | None:
+    """Over the final window, of the train groups collapsed onto one trajectory (its largest
+    identical cluster at least half the group: exploration.cluster_sizes' components), the
+    share whose largest cluster is a correct answer. None without such groups or without
+    correctness."""
+    frame = ctx.frame("exploration.cluster_sizes")
+    if frame is None or "extra_collapsed" not in frame.columns:
         return None
-    clusters = (
-        rows.filter((pl.col("split") == "train") & pl.col("trajectory_key").is_not_null())
-        .group_by("step", "prompt_id", "trajectory_key")
-        .agg(pl.len().alias("size"), pl.col("correct").cast(pl.Float64).mean().alias("correct"))
-        .sort("size", "correct", descending=True, nulls_last=True)
-    )
-    groups = (
-        clusters.group_by("step", "prompt_id")
-        .agg(
-            pl.col("size").first().alias("largest"),
-            pl.col("size").sum().alias("n"),
-            pl.col("correct").first().alias("mode_correct"),
-        )
-        .filter(
-            (pl.col("largest") >= mode_share * pl.col("n")) & pl.col("mode_correct").is_not_null()
-        )
-    )
-    if groups.height == 0:
+    window = frame.sort("step").tail(window_size(frame.height))
+    collapsed = float(window["extra_collapsed"].fill_null(0).sum())
+    if collapsed == 0:
         return None
-    return float((groups["mode_correct"] >= 0.5).mean())  # type: ignore[arg-type]
+    return float(window["extra_collapsed_correct"].fill_null(0).sum()) / collapsed
 
 
 @DECLARED.rule(
@@ -84,7 +71,8 @@ def _converged_share(ctx: RuleContext, mode_share: float) -> float | None:
     "z-score uses the run's own step-to-step noise, so it holds at any group size and batch; "
     "the drop is a share of the run's own level, so at any text length. Critical when the final "
     "share of a group in its largest identical cluster (exploration.cluster_sizes) is at least "
-    "`critical_mode_share` — unless in at least `converged_share` of those collapsed groups "
+    "`critical_mode_share` — unless in at least `converged_share` of the final window's "
+    "collapsed groups (a largest cluster of at least half the group) "
     "the largest cluster is a correct answer: the policy converged on the answer of prompts it "
     "has learnt, which is the goal on a task with one answer (a 2-token answer has nothing "
     "else to vary), and such a collapse is `info`. A collapse onto wrong answers keeps the "
@@ -137,7 +125,7 @@ def diversity_collapse(ctx: RuleContext) -> Iterator[Finding]:
     severity: Severity | None = None
     converged = None
     if mode_share is not None and mode_share >= p["critical_mode_share"]:
-        converged = _converged_share(ctx, p["critical_mode_share"])
+        converged = _converged_share(ctx)
         on_answer = converged is not None and converged >= p["converged_share"]
         severity = "info" if on_answer else "critical"
     ids = _collapsed_group(ctx, int(series.steps[-1]))
