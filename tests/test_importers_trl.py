@@ -175,6 +175,22 @@ def test_the_gradient_clip_is_transformers_default_or_the_option(tmp_path: Path)
     assert "max_grad_norm" not in meta and meta["provenance"]["max_grad_norm"].startswith("0:")
 
 
+def test_trls_zero_std_share_of_float_noise_groups_is_not_compared(tmp_path: Path) -> None:
+    """trl-float-noise: groups of 8 equal rewards 0.4125 carry advantages of ~6e-4 (TRL's
+    float32 std is ~3e-8) and TRL logs frac_reward_zero_std 0 at every step: its value is kept
+    as frac_reward_zero_std_isclose, provenance says why, and no logged-metric-mismatch."""
+    out = tmp_path / "out"
+    import_run("trl", GENUINE / "trl-float-noise", out, correct_column="accuracy_reward")
+    meta = json.loads((out / "run.json").read_text())
+    assert "isclose" in meta["provenance"]["frac_reward_zero_std"]
+    steps = open_run(out).scan("steps").collect()
+    assert "frac_reward_zero_std" not in steps.columns
+    assert steps["frac_reward_zero_std_isclose"].max() == 0.0
+    report = rlscope.analyze(out)
+    assert report.metrics["signal.zero_std_frac"].value > 0.3
+    assert "logged-metric-mismatch" not in {f.id for f in report.findings}
+
+
 def test_unrecognised_reward_functions_skip_correctness(tmp_path: Path) -> None:
     """Reward functions `foo` and `bar`: no guess. No correct column, run.json says why, the
     reader derives nothing, every metric needing rollouts.correct is skipped; naming the

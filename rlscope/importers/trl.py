@@ -56,6 +56,9 @@ _NOT_REWARDS = ("step", "advantage")
 #: Steps column TRL's frac_reward_zero_std is kept under when it is a batch-level quantity
 #: (scale_rewards="batch"), so logged-metric-mismatch never compares it with the group share.
 ZERO_STD_BATCH = "frac_reward_zero_std_batch"
+#: TRL's frac_reward_zero_std where its float32 std of equal rewards was not exactly 0: kept
+#: under this name, not compared (see _zero_std_noise).
+ZERO_STD_ISCLOSE = "frac_reward_zero_std_isclose"
 CORRECT_HINT = "say which reward function means correct: `-X correct_column=…`"
 
 
@@ -399,6 +402,13 @@ def _set_meta(session: Session) -> None:
                 f"scale_rewards='batch' ({how}): TRL's value is batch-level (1 only when the "
                 f"whole batch has one reward), kept as {ZERO_STD_BATCH}, not compared"
             )
+        elif "zero_std_noise" in state:
+            provenance["frac_reward_zero_std"] = (
+                f"TRL counts a group only when its float32 reward std is within 1e-8 of 0: from "
+                f"step {state['zero_std_noise']} groups of equal rewards carry float noise "
+                "(non-zero advantages) and are not counted there, so TRL's value is kept as "
+                f"{ZERO_STD_ISCLOSE}, not compared"
+            )
         else:
             provenance["frac_reward_zero_std"] = (
                 f"scale_rewards='{scale}' ({how}): the share of groups with zero reward σ, compared"
@@ -597,6 +607,8 @@ def _import_file(
     frame = pl.concat(parts)
     if "scale_rewards" not in state:
         _detect_scaling(frame, session)
+    if "zero_std_noise" not in state:
+        _zero_std_noise(frame, session)
     frame = frame.with_columns(prompt_ids(frame["_prompt"]).alias("_hash"))
     # A further block of the same prompt in one step is another group, as in TRL.
     first_rows = frame.group_by("step", "_block").agg(pl.col("_hash").first(), pl.col(LINE).min())
@@ -785,6 +797,32 @@ def _detect_scaling(frame: pl.DataFrame, session: Session) -> None:
     state["scale_source"] = how
 
 
+def noisy_zero_std_groups(frame: pl.DataFrame, group: list[str], reward: str) -> pl.DataFrame:
+    """The groups (by `group`) whose rewards are all equal and whose advantages are not all 0:
+    TRL counts a group in frac_reward_zero_std when `torch.isclose(std, 0)` (atol 1e-8) on its
+    float32 rewards, and equal rewards whose float32 sum is not exact (0.4125 x 8: rewards 0.33
+    and 0.0825) leave a mean off by one ulp, a std of ~3e-8 and advantages of ~6e-4
+    (grpo_trainer.py `_generate_and_score_completions`, TRL 1.16): TRL does not count them."""
+    return (
+        frame.group_by(group)
+        .agg(
+            pl.len().alias("n"),
+            (pl.col(reward).max() == pl.col(reward).min()).alias("equal"),
+            (pl.col("advantage").cast(pl.Float64) != 0).any().alias("moved"),
+        )
+        .filter((pl.col("n") >= 2) & pl.col("equal") & pl.col("moved"))
+    )
+
+
+def _zero_std_noise(frame: pl.DataFrame, session: Session) -> None:
+    """The first step whose TRL frac_reward_zero_std leaves out groups with no spread
+    (noisy_zero_std_groups), kept in the import's state."""
+    if "advantage" in frame.columns:
+        noisy = noisy_zero_std_groups(frame, ["step", "_block"], "_reward")
+        if noisy.height:
+            session.state()["zero_std_noise"] = min(noisy["step"].to_list())
+
+
 def _import_steps(path: Path, history: list | None, session: Session) -> None:
     status, record = session.file_status(path)
     if status == "unchanged" and record is not None:
@@ -797,6 +835,8 @@ def _import_steps(path: Path, history: list | None, session: Session) -> None:
         state["scale_rewards"], state["scale_source"] = opts["scale_rewards"], "option"
     if state.get("scale_rewards") not in (None, "group", "none"):
         names["frac_reward_zero_std"] = ZERO_STD_BATCH
+    elif "zero_std_noise" in state:
+        names["frac_reward_zero_std"] = ZERO_STD_ISCLOSE
     rows = StepRows(names)
     generations = opts["num_generations_eval"] or state.get("num_generations")
     evals = EvalSets(_accuracy_key(session), opts["ood_sets"], generations)

@@ -95,6 +95,7 @@ from rlscope.catalog import default_catalog
 from rlscope.config import Config
 from rlscope.importers._common import accuracy_like
 from rlscope.importers.text import answer_expr, prompt_id
+from rlscope.importers.trl import ZERO_STD_ISCLOSE, noisy_zero_std_groups
 from rlscope.live import METRIC_PREFIX, NEVER, Judgement, StopOn, StopPolicy
 from rlscope.probe import Asker, ProbeSettings, ProbeSummary, ask_targets, run_coroutine, targets_of
 from rlscope.probe.interventions import EDITED
@@ -507,6 +508,7 @@ class RlscopeCallback(_CallbackBase):
         try:
             rows = self._completion_rows(step, split, args)
             if rows is not None:
+                self._keep_zero_std_apart(rows)
                 writer.log_rollouts(rows)
                 if self.probe_every and split == "train" and step % self.probe_every == 0:
                     self._probe(writer, rows, step)
@@ -516,6 +518,22 @@ class RlscopeCallback(_CallbackBase):
             self._warn_once(
                 "buffers", f"cannot log the trainer's completions ({exc!r}); steps only"
             )
+
+    def _keep_zero_std_apart(self, rows: dict[str, list]) -> None:
+        """TRL's frac_reward_zero_std of a batch with groups of equal rewards whose advantages
+        are float noise leaves those groups out (noisy_zero_std_groups): that step's value is
+        kept as ZERO_STD_ISCLOSE, not compared with the recomputed share."""
+        if (
+            self._pending is None
+            or "advantage" not in rows
+            or "frac_reward_zero_std" not in (self._pending)
+        ):
+            return
+        frame = pl.DataFrame(
+            {k: rows[k] for k in ("prompt_id", "split", "reward", "advantage")}
+        ).filter(pl.col("split") == "train")
+        if noisy_zero_std_groups(frame, ["prompt_id"], "reward").height:
+            self._pending[ZERO_STD_ISCLOSE] = self._pending.pop("frac_reward_zero_std")
 
     def _probe(self, writer: RunWriter, rows: dict[str, list], step: int) -> None:
         """Probe some of this step's rollouts with the policy itself (rlscope.probe.local)."""
