@@ -56,6 +56,7 @@ class Judged:
     #: prefixes past the warm-up with a warn or critical finding -> their ids
     alarms: dict[int, list[str]] = field(default_factory=dict)
     verdict: list[str] = field(default_factory=list)  # the whole run's, "id:severity"
+    unjudged: set[str] = field(default_factory=set)  # findings whose inputs the sink lacks
     pass_at_1: dict[int, float] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0
@@ -76,7 +77,8 @@ def judge(run: Run, sink: Sink, scratch: Path) -> Judged:
     judged.steps = _steps(computed)
     config = Config()
     for step in judged.steps:
-        findings = evaluate_prefix(computed, step, config).findings
+        evaluation = evaluate_prefix(computed, step, config)
+        findings = evaluation.findings
         alarms = sorted({f.id for f in findings if f.severity in ALARM})
         if alarms and step > WARMUP_STEPS:
             judged.alarms[step] = alarms
@@ -89,6 +91,9 @@ def judge(run: Run, sink: Sink, scratch: Path) -> Judged:
             judged.first[f.id] = (warn, critical)
         if step == judged.steps[-1]:
             judged.verdict = sorted(f"{f.id}:{f.severity}" for f in findings if f.severity in ALARM)
+            judged.unjudged = {
+                s.metric for s in evaluation.skipped if s.kind == "finding" and not s.needs_steps
+            }
     pass_1 = computed.results.get("signal.pass_at_1")
     if pass_1 is not None:
         judged.pass_at_1 = {
@@ -151,7 +156,13 @@ def tables(results: list[Judged], corpus: Path) -> tuple[str, dict[str, float]]:
         )
 
     lines += ["", "### Findings: recall and detection delay", ""]
-    lines += ["| finding | fault runs × sinks | recall | median delay to warn | to critical |"]
+    lines += [
+        "A fault is named when any of its findings fires; a finding's row counts the fault runs "
+        "× sinks that list it among theirs, and how often it fired (warn or above, whole run).",
+        "",
+        "| finding | fault runs × sinks listing it | fired (whole run) | median delay to warn | "
+        "to critical |",
+    ]
     lines += ["|---|---|---|---|---|"]
     for finding in sorted({i for j in faults for i in j.run.expect}):
         pairs = [j for j in faults if finding in j.run.expect]
@@ -187,7 +198,8 @@ def tables(results: list[Judged], corpus: Path) -> tuple[str, dict[str, float]]:
 
     lines += ["", "### Readers: every sink of a run, the same verdict and pass@1", ""]
     lines += [
-        "| run | sink | verdict (whole run, warn+) | same as the first sink | "
+        "| run | sink | verdict (whole run, warn+) | same as the first sink (findings both "
+        "judge) | "
         "pass@1: max abs diff to the trainer's log |"
     ]
     lines += ["|---|---|---|---|---|"]
@@ -200,10 +212,10 @@ def tables(results: list[Judged], corpus: Path) -> tuple[str, dict[str, float]]:
             continue
         multi += 1
         logged = trainer_pass_at_1(sinks[0].run, corpus)
-        reference = sinks[0].verdict
+        reference = sinks[0]
         same_all = True
         for j in sinks:
-            same = not j.error and j.verdict == reference
+            same = not j.error and _comparable(j, reference) == _comparable(reference, j)
             same_all &= same
             common = sorted(set(logged) & set(j.pass_at_1))
             diff = (
@@ -235,10 +247,16 @@ def tables(results: list[Judged], corpus: Path) -> tuple[str, dict[str, float]]:
         f"the fault at warn or above: {summary['recall']:.0%}). **False alarms** "
         f"{alarm_pairs}/{len(healthy)} healthy run × sink pairs with a warn or critical finding at "
         f"some prefix past step {WARMUP_STEPS}. **Readers** {agree_runs}/{multi} multi-sink runs "
-        "with one verdict across sinks.",
+        "with one verdict across sinks (on the findings each sink has the inputs to judge).",
         "",
     ]
     return "\n".join(head + lines) + "\n", summary
+
+
+def _comparable(judged: Judged, other: Judged) -> list[str]:
+    """`judged`'s verdict on the findings `other` could judge too (a steps-only sink has no
+    rollouts to judge dead prompts by, say): what two readers of one run must agree on."""
+    return [v for v in judged.verdict if v.split(":")[0] not in other.unjudged]
 
 
 def machine() -> str:
