@@ -85,6 +85,22 @@ TABLES: dict[str, Table] = {
                     "response_length/clip_ratio)",
                 ),
                 _c("reward", _F64, False, "mean sequence reward, as logged"),
+                _c(
+                    "correct_rate",
+                    _F64,
+                    False,
+                    "share of the step's train responses that are correct, as logged (e.g. "
+                    "TRL's rewards/<accuracy>/mean of a 0/1 accuracy reward): pass@1 without "
+                    "a rollouts table",
+                ),
+                _c(
+                    "correct_rate_std",
+                    _F64,
+                    False,
+                    "the standard deviation (n − 1) of the 0/1 correctness behind correct_rate, "
+                    "as logged: it gives the responses counted, n = r / (r − 1) with "
+                    "r = std² / (p(1 − p))",
+                ),
             ),
         ),
         Table(

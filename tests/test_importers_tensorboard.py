@@ -6,11 +6,14 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 from typer.testing import CliRunner
 
+import rlscope
 from rlscope.cli import app
+from rlscope.engine import compute
 from rlscope.errors import RlscopeError
 from rlscope.importers import IMPORTERS, import_run
 from rlscope.reader import open_run
@@ -151,6 +154,46 @@ def test_the_trainers_args_text_gives_run_json(tmp_path: Path) -> None:
     assert meta["clip_ratio_low"] == 0.2 and meta["clip_ratio_high"] == 0.28
     assert meta["max_response_len"] == 256
     assert any("`args` text summary" in n for n in result.notes)
+
+
+def _trl_accuracy_rows(accuracy: list[float], n: int, scale: float = 1.0) -> dict:
+    """TRL's per-reward-function statistics of `n` completions a step whose accuracy_reward is
+    0/1 (times `scale`): rewards/<fn>/mean and torch's unbiased std, under `train/`."""
+    rows = {}
+    for step, acc in enumerate(accuracy, start=1):
+        right = round(acc * n)
+        values = np.array([scale] * right + [0.0] * (n - right))
+        rows[step] = {
+            "train/rewards/accuracy_reward/mean": float(values.mean()),
+            "train/rewards/accuracy_reward/std": float(values.std(ddof=1)),
+            "train/rewards/format_reward/mean": 0.25,
+            "train/rewards/format_reward/std": 0.0,
+            "train/reward": float(values.mean()) + 0.25,
+        }
+    return rows
+
+
+def test_a_binary_accuracy_reward_is_pass_at_1_without_rollouts(tmp_path: Path) -> None:
+    """Steps only (TensorBoard), TRL's accuracy_reward mean of 16 completions a step is the
+    task outcome: pass@1 equals it step for step, with 16 responses a step counted from its
+    std, and a collapse is named on it (not on the mean reward). The same reward scaled by
+    0.33 is no 0/1 reward: not read, and provenance says why."""
+    accuracy = [0.75, 0.8125, 0.75] + [0.0625] * 27
+    write_events(tmp_path / "runs" / "a", _trl_accuracy_rows(accuracy, 16))
+    result = import_run("tensorboard", tmp_path / "runs", tmp_path / "out")
+    assert any("-> correct_rate" in n for n in result.notes)
+    report = rlscope.analyze(tmp_path / "out")
+    pass_1 = report.metrics["signal.pass_at_1"]
+    assert list(pass_1.values) == pytest.approx(accuracy, abs=1e-6)
+    frame = compute(open_run(tmp_path / "out")).frames["signal.pass_at_1"]
+    assert frame["groups"].to_list() == [16.0] * 30
+    found = next(f for f in report.findings if f.id == "performance-regression")
+    assert found.severity == "critical" and found.evidence["measure"] == "pass@1"
+    write_events(tmp_path / "scaled" / "a", _trl_accuracy_rows(accuracy, 16, scale=0.33))
+    import_run("tensorboard", tmp_path / "scaled", tmp_path / "scaled-out")
+    meta = json.loads((tmp_path / "scaled-out" / "run.json").read_text())
+    assert meta["provenance"]["correct_rate"].startswith("not read")
+    assert "signal.pass_at_1" not in rlscope.analyze(tmp_path / "scaled-out").metrics
 
 
 def write_openrlhf(folder: Path, steps: range, *, kl: float = 0.0) -> None:

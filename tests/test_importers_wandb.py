@@ -181,6 +181,9 @@ def test_genuine_trl_log_equals_trainer_state(runs: dict[str, Path], tmp_path: P
     renamed |= {"completions/mean_length": "response_len"}
     renamed |= {"completions/clipped_ratio": "truncation_rate"}
     renamed |= {k: k for k in ("loss", "grad_norm", "kl", "entropy", "reward")}
+    # accuracy_reward is 0/1: its mean is pass@1, its std counts the responses
+    renamed |= {"rewards/accuracy_reward/mean": "correct_rate"}
+    renamed |= {"rewards/accuracy_reward/std": "correct_rate_std"}
     for key in {k for e in history for k in e} - {"step"}:
         column = renamed.get(key, f"train/{key}")
         assert column in steps.columns, key

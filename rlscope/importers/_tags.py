@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
-from rlscope.importers._common import RESERVED_STEPS
+from rlscope.importers._common import RESERVED_STEPS, accuracy_like
 from rlscope.importers.session import Session
 
 #: verl: `Tracking.log(data, step=global_steps)` sends one dict to every logger under the same
@@ -166,6 +167,58 @@ def all_zero_frame(frame: pl.DataFrame, keys: Iterable[str]) -> dict[str, bool]:
     return {k: bool(row[k]) for k in present if logged[k]}
 
 
+#: Per-reward-function means and standard deviations TRL logs (grpo_trainer.py
+#: `_generate_and_score_completions`: `rewards/{name}/mean`, `rewards/{name}/std`, nanmean and
+#: nanstd over the generation batch), under `train/` where transformers' callbacks rewrite keys.
+REWARD_MEAN = re.compile(r"^((?:train/)?rewards/)([^/]+)/mean$")
+#: std² / (p(1 − p)) of a 0/1 reward with mean p over n completions is n / (n − 1) (torch's
+#: unbiased std): between 1 and 4/3 for batches of 4 or more. A reward with any value strictly
+#: between its extremes has less (Bhatia–Davis), a 0/s reward with s ≠ 1 other ratios.
+BINARY_RATIO = (0.995, 4 / 3 + 0.005)
+
+
+def binary_accuracy(frame: pl.DataFrame, resolved: Resolved) -> None:
+    """Map the accuracy reward's logged mean to `correct_rate` (pass@1 without rollouts) when
+    one reward function is named like accuracy (importers._common.accuracy_like) and its logged
+    mean and std are those of a 0/1 reward at every step: a steps-only run then judges the task
+    outcome, not the mean reward. Said in the provenance, or why not."""
+    found = {m.group(2): m for k in frame.columns if (m := REWARD_MEAN.match(k))}
+    name, why = accuracy_like(found)
+    if name is None or "correct_rate" in resolved.mapping.values():
+        return
+    mean_key = found[name].group(0)
+    std_key = f"{found[name].group(1)}{name}/std"
+    if std_key not in frame.columns:
+        return
+    both = frame.select(
+        pl.col(mean_key).cast(pl.Float64).alias("p"), pl.col(std_key).cast(pl.Float64).alias("s")
+    ).drop_nulls()
+    inside = both.filter((pl.col("p") > 0) & (pl.col("p") < 1))
+    ratio = inside.select(pl.col("s") ** 2 / (pl.col("p") * (1 - pl.col("p"))))["s"]
+    lo, hi = BINARY_RATIO
+    binary = (
+        inside.height >= 3
+        and both.filter((pl.col("p") < 0) | (pl.col("p") > 1)).height == 0
+        and both.filter(((pl.col("p") == 0) | (pl.col("p") == 1)) & (pl.col("s") > 1e-6)).height
+        == 0
+        and bool(ratio.is_between(lo, hi).all())
+    )
+    if binary:
+        resolved.mapping[mean_key] = "correct_rate"
+        resolved.mapping[std_key] = "correct_rate_std"
+        resolved.notes.append(f"{mean_key} -> correct_rate (a 0/1 accuracy reward's mean)")
+        resolved.provenance["correct_rate"] = (
+            f"{mean_key}: the mean of `{name}` ({why}), a 0/1 reward (its logged std² is "
+            "p(1 − p) at every step): pass@1"
+        )
+    else:
+        resolved.provenance["correct_rate"] = (
+            f"not read: `{name}` is named like accuracy but its logged mean and std are not a "
+            "0/1 reward's (a scaled or partial-credit reward): the task outcome is judged on "
+            "the mean reward"
+        )
+
+
 def mapped_once(
     state: dict[str, Any], frame: pl.DataFrame, names: Mapping[str, str], config: Mapping[str, Any]
 ) -> list[str]:
@@ -174,6 +227,7 @@ def mapped_once(
     if "mapping" in state:
         return []
     resolved = resolve(all_zero_frame(frame, names), names)
+    binary_accuracy(frame, resolved)
     entropy_by_config(resolved, config)
     state["mapping"], state["provenance"] = resolved.mapping, resolved.provenance
     return list(resolved.notes)

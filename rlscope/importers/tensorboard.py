@@ -8,9 +8,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import polars as pl
+
 from rlscope.errors import RlscopeError
 from rlscope.importers._common import StepRows
-from rlscope.importers._tags import TAGS, all_zero_rows, config_fields, resolve, with_mapping
+from rlscope.importers._tags import (
+    TAGS,
+    all_zero_rows,
+    binary_accuracy,
+    config_fields,
+    resolve,
+    with_mapping,
+)
 from rlscope.importers.options import COMMON_OPTIONS
 from rlscope.importers.session import Importer, Session
 
@@ -20,6 +29,8 @@ EVENT_GLOB = "*tfevents*"
 #: transformers' TensorBoardCallback `add_text("args", ...)`: torch's SummaryWriter stores the
 #: tag as `<tag>/text_summary`, tensorboardX as it is.
 ARGS_TAGS = ("args/text_summary", "args")
+#: Tags of TRL's per-reward-function statistics (`binary_accuracy` reads them).
+REWARD_KEYS = ("rewards/", "train/rewards/")
 
 
 def _loader() -> Any:
@@ -165,6 +176,12 @@ def import_tensorboard(session: Session) -> None:
         )
     _trainer_args(texts, session)
     resolved = resolve(all_zero_rows((r for _, rows in per_file for r in rows.values()), TAGS))
+    rewards = [
+        {k: v for k, v in row.items() if k.startswith(REWARD_KEYS)}
+        for _, rows in per_file
+        for row in rows.values()
+    ]
+    binary_accuracy(pl.DataFrame(rewards), resolved)
     mapping = resolved.mapping
     session.notes += resolved.notes
     if resolved.provenance:

@@ -431,6 +431,26 @@ def _pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     )
 
 
+def _logged_pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+    """The logged accuracy p with its sampling units, as _pass_1 gives them from rollouts: the
+    responses counted, n = r / (r − 1) for r = std² / (p(1 − p)) (torch's unbiased std of 0/1
+    values), carried forward to steps where p is 0 or 1 (no spread to count from; TRL's batch
+    does not change size), and Σ (0/1)² = p·n."""
+    p, std = pl.col("logged_correct_rate"), pl.col("logged_correct_rate_std")
+    ratio = std**2 / (p * (1 - p))
+    counted = pl.when((p > 0) & (p < 1) & (ratio > 1)).then((ratio / (ratio - 1)).round(0))
+    return (
+        frame.sort("step")
+        .with_columns(counted.forward_fill().alias("groups"))
+        .select(
+            "step",
+            pl.when(p.is_between(0.0, 1.0)).then(p).alias("value"),
+            "groups",
+            (p * pl.col("groups")).alias(ACC_SQ),
+        )
+    )
+
+
 def _pass_gap(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     k = ctx.pass_k or 1
     per_group = _with_pass_at(frame, [1, k])
@@ -447,11 +467,29 @@ DECLARED.metric(
         layer="L3",
         title="pass@1",
         doc="Mean over the step's prompt groups of the group accuracy c/n (each prompt weighs "
-        "the same, as in pass@k).",
+        "the same, as in pass@k). Without rollouts, the steps' `correct_rate` as the trainer "
+        "logged it (TRL's rewards/<accuracy>/mean of a 0/1 accuracy reward, read by the "
+        "TensorBoard, W&B and MLflow importers): the share of the step's completions that are "
+        "correct, equal to the mean group accuracy when groups are of one size.",
         healthy="rising",
         better="up",
         task="pass@1",
-        variants=(custom("rollouts", ("correct",), _pass_1, dict([N, N_CORRECT])),),
+        variants=(
+            custom("rollouts", ("correct",), _pass_1, dict([N, N_CORRECT])),
+            custom(
+                "steps",
+                ("correct_rate", "correct_rate_std"),
+                _logged_pass_1,
+                {f"logged_{c}": f64(c).mean() for c in ("correct_rate", "correct_rate_std")},
+                source="steps.correct_rate as logged (the trainer's per-step accuracy), its "
+                "responses counted from correct_rate_std",
+            ),
+            step_column(
+                "correct_rate",
+                share=True,
+                source="steps.correct_rate as logged (the trainer's per-step accuracy)",
+            ),
+        ),
     )
 )
 
