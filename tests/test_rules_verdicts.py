@@ -843,3 +843,18 @@ def test_auxiliary_reward_is_silent_when_the_task_signal_is_absent_or_fair() -> 
     assert _shares(0.4, 0.45) == []
     assert _shares(0.15, 0.3, meta={}) == []
     assert _shares(0.15, 0.3, meta={"correct_source": "reward > 0"}) == []
+
+
+def test_an_accelerating_kl_warns_unless_the_task_improves() -> None:
+    """KL 0.002 e^(5u) (convex, 0.002 → 0.3): a warning while pass@1 is flat, an info while it
+    rises (learning's drift, as PPO's KL starting late while its score climbs), critical from
+    0.5 nats/token whatever the task does."""
+    kl = 0.002 * np.exp(5 * np.linspace(0, 1, 90)) * (1 + RNG.normal(0, 0.02, 90))
+    flat = noisy(0.4, 0.4, 90, 0.02)
+    rising = noisy(0.4, 0.8, 90, 0.02)
+    (found,) = judge("kl-runaway", {"stability.kl": kl, "signal.pass_at_1": flat})
+    assert found.severity == "warn" and not found.evidence["improving"]
+    (found,) = judge("kl-runaway", {"stability.kl": kl, "signal.pass_at_1": rising})
+    assert found.severity == "info" and "buys progress" in found.message
+    (found,) = judge("kl-runaway", {"stability.kl": kl * 5, "signal.pass_at_1": rising})
+    assert found.severity == "critical"

@@ -117,18 +117,26 @@ def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
     "reference gives the policy's own tokens ~40% less probability, token after token, "
     "kl-high's reason), a warning below it. A KL whose rise starts late, as PPO's does while "
     "its critic warms up, is convex at first and saturates later (measured on a genuine CPU "
-    "PPO loop: 0 for 20 steps, then 0.26 nats/token by step 50, flat after); only its level "
-    "can say, at a prefix, that the run is already broken.",
+    "PPO loop: 0 for 20 steps, then 0.26 nats/token by step 50, flat after). So the shape "
+    "alone is a warning only while the task outcome is not improving (pass@1, else the mean "
+    "reward, first vs last fifth, z ≥ `progress_z`): a KL that accelerates while the policy "
+    "gets better is learning's drift (as kl-stalled reads a KL of ~0 by the same progress), "
+    "an `info` to watch; one that accelerates with nothing to show for it is drift, or a "
+    "reward the policy games. The genuine PPO loop's healthy runs (3 seeds) accelerate at "
+    "many prefixes while their score rises 0.5 → 0.88. Only the level can say the run is "
+    "already broken: critical from `critical_level`, improving or not.",
     remedy="raise the KL coefficient (β) or add a KL loss; lower the learning rate; check the "
     "reward for hacking (inspect the highest-reward rollouts of the last steps).",
     explains={"performance-regression": DRIFT_EXPLAINS_COLLAPSE},
     metrics=("stability.kl",),
+    context=("signal.pass_at_1", "signal.reward"),
     params={
         "growth_ratio": Param(2.5, "last-third mean KL / middle-third mean KL"),
         "accel_ratio": Param(2.5, "last-third increase / middle-third increase"),
         "min_level": Param(0.01, "last-third mean KL (nats/token) below which no shape counts"),
         "critical_level": Param(0.5, "last-third mean KL (nats/token) for a critical finding"),
         "z": Param(3.0, "z-score of the last third's rise over the middle third's"),
+        "progress_z": Param(2.0, "a task-outcome rise with this z-score is progress (info)"),
         "min_steps": Param(12, "fewest steps to judge the shape"),
     },
     severity="critical",
@@ -148,11 +156,30 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
     se = math.sqrt(sum(max(float(np.var(t, ddof=1)), noise) / len(t) for t in thirds[1:]))
     beyond_noise = rise_last > p["z"] * se
     if k3 >= p["growth_ratio"] * k2 and accelerating and beyond_noise:
-        yield ctx.finding(
+        accuracy = ctx.series("signal.pass_at_1")
+        progress = accuracy or ctx.series("signal.reward")
+        trend = (pass_at_1_trend(ctx) if accuracy is not None else None) or (
+            compare_windows(progress) if progress is not None and len(progress) >= 3 else None
+        )
+        improving = trend is not None and trend.rising(p["progress_z"])
+        severity: Severity = "critical" if k3 >= p["critical_level"] else "warn"
+        message = (
             f"KL is accelerating: mean {k1:.3g} → {k2:.3g} → {k3:.3g} nats/token over the three "
-            f"thirds of the run (×{k3 / k2:.1f} in the last third).",
-            severity="critical" if k3 >= p["critical_level"] else "warn",
+            f"thirds of the run (×{k3 / k2:.1f} in the last third)"
+        )
+        if improving and severity == "warn":
+            assert trend is not None
+            severity = "info"
+            message += (
+                f", while {'pass@1' if accuracy is not None else 'the mean reward'} rose "
+                f"{trend.first:.3g} → {trend.last:.3g} (z = {trend.z:.1f}): a drift that buys "
+                "progress, to watch"
+            )
+        yield ctx.finding(
+            message + ".",
+            severity=severity,
             thirds=[k1, k2, k3],
+            improving=improving,
             steps=[int(kl.steps[0]), int(kl.steps[-1])],
         )
 

@@ -172,8 +172,9 @@ SCENARIOS: dict[str, Scenario] = {
         _variant(
             "kl-runaway",
             "KL(u) = 0.002 exp(5 u): convex, ~150x over the run (0.002 → 0.30); the last third's "
-            "mean is ~5x the middle third's.",
+            "mean is ~5x the middle third's; skill flat (s = -0.3): the drift buys nothing.",
             kl=lambda u: 0.002 * math.exp(5.0 * u),
+            skill=lambda u: -0.3,
         ),
         _variant(
             "grad-spike",
