@@ -555,6 +555,27 @@ def _regression(frame: pl.DataFrame) -> list[Finding]:
     )
 
 
+def test_a_sparse_fall_is_judged_end_to_end(write_run) -> None:
+    """The same through analyze: 7 generation points of 32 prompts x 8 completions, accuracy
+    0.51 -> 0.28, are judged from their evidence (the rule is not "waiting for 10 steps")."""
+    rng = np.random.default_rng(2)
+    rows: dict[str, list] = {k: [] for k in ("rollout_id", "step", "prompt_id", "reward")}
+    rows |= {"correct": [], "response_len": []}
+    for step, level in enumerate([0.51, 0.5, 0.47, 0.4, 0.3, 0.28, 0.28], start=1):
+        solve = 1 / (1 + np.exp(-(math.log(level / (1 - level)) + rng.normal(0, 1.5, 32))))
+        for g in range(32):
+            for right in rng.random(8) < solve[g]:
+                rows["rollout_id"].append(len(rows["rollout_id"]))
+                rows["step"].append(step * 4)  # a generation every 4 optimizer steps
+                rows["prompt_id"].append(f"p{step}-{g}")
+                rows["reward"].append(float(right))
+                rows["correct"].append(bool(right))
+                rows["response_len"].append(10)
+    report = analyze(write_run({"rollouts": rows}, group_size=8))
+    found = next(f for f in report.findings if f.id == "performance-regression")
+    assert found.severity == "critical" and found.evidence["last"] < 0.35
+
+
 def test_performance_regression_judges_a_sparse_series_on_its_evidence() -> None:
     """7 points of pass@1, each over 32 prompts x 8 completions (a TRL run generating once
     every few optimizer steps), falling 0.5 -> 0.28: too few steps for a step count, many
