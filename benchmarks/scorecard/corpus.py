@@ -27,6 +27,8 @@ GENUINE = ROOT / "tests" / "genuine"
 #: The learning-rate mechanism's findings: the task outcome falls, the policy drifts from its
 #: reference, its updates spike (trl_lr_collapse.py: lr 40x).
 LR_FAULT = ("performance-regression", "kl-high", "kl-runaway", "grad-spike", "divergence")
+#: A reward the policy can raise without the task: the findings that name what it learns.
+FORMAT_FAULT = ("reward-hacking", "auxiliary-reward-dominates")
 #: Sinks of a TRL run: (name, import format or "" for an rlscope run directory, path under the
 #: trainer's output, import options).
 TRL_SINKS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
@@ -95,15 +97,20 @@ def _found(path: Path) -> Path:
 
 
 def _trl(name: str, mode: str, steps: int, healthy: bool, **env: str) -> Run:
-    fault = {"too-high": "lr 40x from step 1", "jump": "lr x40 from step 25"}.get(mode, "")
-    start = {"too-high": 1, "jump": 25}.get(mode)
+    fault = {
+        "too-high": "lr 40x from step 1",
+        "jump": "lr x40 from step 25",
+        "format-only": "accuracy weighted 0: the format reward alone",
+    }.get(mode, "")
+    start = {"too-high": 1, "jump": 25, "format-only": 1}.get(mode)
+    expect = FORMAT_FAULT if mode == "format-only" else LR_FAULT
     return Run(
         name,
         "trl",
         healthy,
         fault,
         start,
-        () if healthy else LR_FAULT,
+        () if healthy else expect,
         (
             "trl_lr_collapse.py",
             "{out}",
@@ -155,6 +162,7 @@ CORPUS: tuple[Run, ...] = (
     _trl("trl-lr-too-high", "too-high", 50, False),
     _trl("trl-lr-jump", "jump", 50, False),
     _trl("trl-lr-jump-s1", "jump", 50, False, TRAINER_SEED="1"),
+    _trl("trl-format-only", "format-only", 50, False),
     # A PPO loop with a critic, logged as verl logs it.
     _ppo("ppo-healthy-s0", "healthy", "", None, ()),
     _ppo("ppo-healthy-s1", "healthy", "", None, (), TRAINER_SEED="1"),

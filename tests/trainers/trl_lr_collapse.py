@@ -21,6 +21,10 @@ MODE (measured with the defaults, seed 0, 50 steps, ~14 s each on one thread):
             learning_rate is 2e-2 (a LambdaLR passed through `optimizers`). Accuracy 0.87 over
             steps 1-24 (min 0.73, kl <= 0.27), then 0.89, 0.53, 0.19 at steps 26-28 (kl 1.6,
             3.5, 3.7) and 0.03 over steps 41-50.
+  format-only  healthy's lr, the accuracy reward weighted 0 (GRPOConfig.reward_weights [0, 1];
+            still computed and logged): the policy is trained on the format term alone. The
+            reward (format) goes 0.19 → 0.25 (every answer two words by step ~30) while the
+            accuracy drifts 0.78 → 0.62-0.81 (steps 41-50), untrained.
 Seeds 1 and 2 (TRAINER_SEED) give the same picture. Deterministic for a seed on one machine.
 
 With `--judge RUN_DIR STOP_ON EVERY` the run also carries rlscope's RlscopeCallback writing
@@ -92,7 +96,7 @@ HEALTHY_LR = 5e-4
 TOO_HIGH_LR = 2e-2
 JUMP_STEP = 25  # mode jump: the first step trained with HEALTHY_LR * JUMP_FACTOR
 JUMP_FACTOR = TOO_HIGH_LR / HEALTHY_LR
-MODES = ("healthy", "too-high", "jump")
+MODES = ("healthy", "too-high", "jump", "format-only")
 PROMPTS_PER_STEP = 8
 SEED = int(os.environ.get("TRAINER_SEED", "0"))
 GENERATIONS = int(os.environ.get("TRAINER_GENERATIONS", "8"))
@@ -237,6 +241,8 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
             learning_rate=TOO_HIGH_LR if mode == "too-high" else HEALTHY_LR,
             lr_scheduler_type="constant",
             beta=0.04,
+            # format-only: the accuracy reward is still computed and logged, with weight 0
+            reward_weights=[0.0, 1.0] if mode == "format-only" else None,
             logging_steps=1,
             log_completions=True,
             report_to=report_to,
