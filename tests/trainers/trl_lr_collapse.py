@@ -47,6 +47,12 @@ Environment (each unset: the runs above):
                 groups (0.4125 each) |advantage| ~6e-4. 0.1 leaves those exact (0.1 + 0.025
                 rounds to 0.125), only all-0.1 or all-0.025 groups get noise, and with
                 GENERATIONS=4 no scale gives any (four equal values sum exactly).
+  TRAINER_BETA  the KL coefficient; default 0.04 (0: no reference model, no `kl` logged).
+  TRAINER_LOSS_TYPE, TRAINER_SCALE_REWARDS, TRAINER_STEPS_PER_GENERATION
+                GRPOConfig's loss_type (TRL 1.16's default `dapo`; `grpo`, `dr_grpo`, ...),
+                scale_rewards (`group`; `none` for Dr. GRPO) and steps_per_generation (one
+                generation batch of 8 prompts x GRPOConfig's steps_per_generation, trained
+                over that many optimizer steps); unset: TRL's defaults.
   TRAINER_REPORT_TO
                 the Trainer's report_to, comma-separated (tensorboard, wandb, mlflow); default
                 none, or tensorboard with --judge. Every sink writes under OUT_DIR, offline, and
@@ -101,6 +107,13 @@ PROMPTS_PER_STEP = 8
 SEED = int(os.environ.get("TRAINER_SEED", "0"))
 GENERATIONS = int(os.environ.get("TRAINER_GENERATIONS", "8"))
 REWARD_SCALE = float(os.environ.get("TRAINER_REWARD_SCALE", "1"))
+BETA = float(os.environ.get("TRAINER_BETA", "0.04"))
+#: GRPOConfig fields passed through when set (TRL's defaults otherwise)
+CONFIG = {
+    name: cast(os.environ[f"TRAINER_{name.upper()}"])
+    for name, cast in (("loss_type", str), ("scale_rewards", str), ("steps_per_generation", int))
+    if f"TRAINER_{name.upper()}" in os.environ
+}
 REPORT_TO = [s for s in os.environ.get("TRAINER_REPORT_TO", "").replace(" ", "").split(",") if s]
 SINK_NAME = "trl_lr_collapse"  # the W&B project and the MLflow experiment
 
@@ -240,7 +253,7 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
             max_steps=steps,
             learning_rate=TOO_HIGH_LR if mode == "too-high" else HEALTHY_LR,
             lr_scheduler_type="constant",
-            beta=0.04,
+            beta=BETA,
             # format-only: the accuracy reward is still computed and logged, with weight 0
             reward_weights=[0.0, 1.0] if mode == "format-only" else None,
             logging_steps=1,
@@ -252,6 +265,7 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
             use_cpu=True,
             seed=SEED,
             disable_tqdm=True,
+            **CONFIG,
         )
         callbacks = []
         if judge:
