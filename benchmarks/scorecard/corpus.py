@@ -174,6 +174,18 @@ CORPUS: tuple[Run, ...] = (
     _trl("trl-lr-jump", "jump", 50, False),
     _trl("trl-lr-jump-s1", "jump", 50, False, TRAINER_SEED="1"),
     _trl("trl-format-only", "format-only", 50, False),
+    # Eval sets that do not transfer: an in-distribution set rises, one of digits never trained
+    # stays at 0.
+    Run(
+        "trl-ood-no-transfer",
+        "trl",
+        False,
+        "OOD eval set never trained",
+        1,
+        ("ood-gap",),
+        ("trl_two_eval_sets.py", "{out}"),
+        {"TRAINER_REPORT_TO": "tensorboard,wandb,mlflow"},
+    ),
     # A PPO loop with a critic, logged as verl logs it.
     _ppo("ppo-healthy-s0", "healthy", "", None, ()),
     _ppo("ppo-healthy-s1", "healthy", "", None, (), TRAINER_SEED="1"),

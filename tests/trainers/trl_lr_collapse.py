@@ -83,6 +83,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import sinks
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -114,7 +115,7 @@ CONFIG = {
     for name, cast in (("loss_type", str), ("scale_rewards", str), ("steps_per_generation", int))
     if f"TRAINER_{name.upper()}" in os.environ
 }
-REPORT_TO = [s for s in os.environ.get("TRAINER_REPORT_TO", "").replace(" ", "").split(",") if s]
+REPORT_TO = sinks.report_to()
 SINK_NAME = "trl_lr_collapse"  # the W&B project and the MLflow experiment
 
 
@@ -202,27 +203,12 @@ def format_reward(completions: list[str], **_: Any) -> list[float]:
     return [0.25 * REWARD_SCALE if len(c.split()) == 2 else 0.0 for c in completions]
 
 
-def _sink_env(out: Path, report_to: list[str]) -> None:
-    """Point W&B and MLflow (read by transformers' WandbCallback and MLflowCallback, and by the
-    libraries themselves) at files under `out`, offline; a variable already set wins."""
-    out = out.resolve()
-    if "wandb" in report_to:
-        os.environ.setdefault("WANDB_MODE", "offline")
-        os.environ.setdefault("WANDB_DIR", str(out))
-        os.environ.setdefault("WANDB_PROJECT", SINK_NAME)
-    if "mlflow" in report_to:
-        os.environ.setdefault("MLFLOW_TRACKING_URI", (out / "mlruns").as_uri())
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", SINK_NAME)
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-
-
 def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
     # OUT/runs/ with --judge: rlscope's metrics beside TRL's
     report_to = REPORT_TO or (["tensorboard"] if judge else [])
-    _sink_env(out, report_to)
+    sinks.point(out, report_to, SINK_NAME)
     tokenizer = _tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -293,11 +279,7 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
         trainer.train()
         seconds = time.perf_counter() - started
     trainer.save_state()  # OUT/trainer_state.json
-    if "wandb" in report_to:
-        import wandb
-
-        # WandbCallback leaves the run open until exit: close its file before the summary line.
-        wandb.finish()
+    sinks.finish(report_to)  # WandbCallback leaves its run open: closed before the summary line
     judgements = [
         {"step": j.step, "seconds": j.seconds, "findings": [f.id for f in j.findings]}
         for c in callbacks

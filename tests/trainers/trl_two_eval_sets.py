@@ -6,6 +6,9 @@ repeat and echo; the `in_dist` eval set asks digits 0-4 with other verbs, the `o
 5-9, never trained. Rewards: accuracy_reward (1 when the first word is D) and format_reward
 (0.25 for a one-word answer). Deterministic for a seed on one machine (about 20 s).
 
+TRAINER_REPORT_TO (tensorboard, wandb, mlflow, comma-separated) writes the run through those
+sinks too, under OUT_DIR, offline (sinks.py), as trl_lr_collapse.py does.
+
 Usage: python trl_two_eval_sets.py OUT_DIR [STEPS]
 """
 
@@ -15,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import sinks
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -39,6 +43,8 @@ def format_reward(completions: list[str], **_: Any) -> list[float]:
 
 def main(out: Path, steps: int) -> None:
     torch.manual_seed(0)
+    report_to = sinks.report_to()
+    sinks.point(out, report_to, "trl_two_eval_sets")
     vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", *WORDS, *DIGITS])}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -76,7 +82,8 @@ def main(out: Path, steps: int) -> None:
         eval_strategy="steps",
         eval_steps=max(1, steps // 12),
         log_completions=True,
-        report_to=[],
+        report_to=report_to,
+        run_name=out.name if report_to else None,
         save_strategy="no",
         use_cpu=True,
         beta=0.0,
@@ -93,6 +100,7 @@ def main(out: Path, steps: int) -> None:
     )
     trainer.train()
     trainer.save_state()  # OUT/trainer_state.json
+    sinks.finish(report_to)
 
 
 if __name__ == "__main__":
