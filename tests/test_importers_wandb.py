@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
+import rlscope
 from rlscope.cli import app
 from rlscope.errors import RlscopeError
 from rlscope.importers import IMPORTERS, import_run
@@ -23,6 +24,7 @@ pytest.importorskip("wandb")
 from trainer_keys import openrlhf_status, verl_metrics
 from wandb_writer import (
     GENERATIONS,
+    GENUINE_EVALS,
     GENUINE_TRL,
     OPENRLHF_STEPS,
     PROMPTS,
@@ -188,6 +190,29 @@ def test_genuine_trl_log_equals_trainer_state(runs: dict[str, Path], tmp_path: P
         column = renamed.get(key, f"train/{key}")
         assert column in steps.columns, key
         assert steps[column].to_list() == [e.get(key) for e in history], key
+
+
+def test_a_dict_of_eval_sets_gives_l5(runs: dict[str, Path], tmp_path: Path) -> None:
+    """TRL's dict of eval sets through W&B (a genuine log_history): two log calls at one step
+    carry the same unnamed TRL keys, told apart by each set's own `eval/<name>_runtime`. Each
+    set's accuracy and size reach the L5 columns as TRL's own log has them, and ood-gap is
+    judged (the OOD digits were never trained)."""
+    import_run("wandb", runs["trl-evals"].parent, tmp_path / "out")
+    steps = steps_of(tmp_path / "out")
+    (state,) = GENUINE_EVALS.glob("trainer_state.json")
+    checked = 0
+    for entry in json.loads(state.read_text())["log_history"]:
+        for name, split in (("in_dist", "eval_id"), ("ood", "eval_ood")):
+            if f"eval_{name}_runtime" not in entry:
+                continue
+            row = steps.filter(pl.col("step") == entry["step"]).row(0, named=True)
+            assert row[f"{split}_accuracy"] == entry["eval_rewards/accuracy_reward/mean"]
+            size = entry[f"eval_{name}_samples_per_second"] * entry[f"eval_{name}_runtime"]
+            assert row[f"{split}_completions"] == round(size) * 8
+            checked += 1
+    assert checked == 24
+    report = rlscope.analyze(tmp_path / "out")
+    assert "ood-gap" in {f.id for f in report.findings}
 
 
 def test_openrlhf_global_step_axis(runs: dict[str, Path], tmp_path: Path) -> None:

@@ -116,14 +116,14 @@ def trl(root: Path) -> None:
 GENUINE_TRL = Path(__file__).parent / "genuine" / "trl-real" / "healthy"
 
 
-def trl_genuine(root: Path) -> None:
+def trl_genuine(root: Path, source: Path = GENUINE_TRL, name: str = "trl-genuine") -> None:
     """The genuine run's log_history, entry by entry, as transformers' WandbCallback.on_log
     logs it (integration_utils.py: `rewrite_logs` puts `eval_` keys under `eval/` and the
     rest under `train/`, then `train/global_step`); the run's own keys and floats."""
     import json
 
-    (state,) = GENUINE_TRL.glob("checkpoint-*/trainer_state.json")
-    run = init(root, "trl-genuine", TRL_CONFIG | {"scale_rewards": "group", "num_generations": 8})
+    (state,) = source.glob("**/trainer_state.json")
+    run = init(root, name, TRL_CONFIG | {"scale_rewards": "group", "num_generations": 8})
     run.define_metric("train/global_step")
     run.define_metric("*", step_metric="train/global_step", step_sync=True)
     for entry in json.loads(state.read_text())["log_history"]:
@@ -180,10 +180,21 @@ def wide(root: Path) -> None:
     run.finish()
 
 
+#: A genuine TRL run with a dict of two eval sets (tests/genuine/trl-two-eval-sets).
+GENUINE_EVALS = Path(__file__).parent / "genuine" / "trl-two-eval-sets"
+
+
+def trl_evals(root: Path) -> None:
+    """The two-eval-sets run's log_history as WandbCallback logs it: each set's evaluation is
+    one log call at its step, its own `eval/<name>_runtime` beside TRL's unnamed keys."""
+    trl_genuine(root, GENUINE_EVALS, "trl-evals")
+
+
 WRITERS = {
     "verl": verl,
     "trl": trl,
     "trl-genuine": trl_genuine,
+    "trl-evals": trl_evals,
     "openrlhf": openrlhf,
     "empty": empty,
     "wide": wide,

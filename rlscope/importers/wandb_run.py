@@ -15,6 +15,8 @@ from rlscope.errors import RlscopeError
 from rlscope.importers import trl as trl_importer
 from rlscope.importers._tags import (
     TAGS,
+    Resolved,
+    binary_accuracy,
     config_fields,
     mapped_once,
     step_columns,
@@ -113,6 +115,14 @@ def import_wandb(session: Session) -> None:
     skipped, with the reason in the notes: neither is a batch of rollouts. A table's file is
     read from the run folder's `files/` (W&B writes it there).
 
+    Eval sets: a dict of eval datasets (transformers' Trainer.evaluate, one log call a set with
+    its own `eval/<name>_runtime` beside TRL's unnamed `eval/...` metrics) -> TRL's keys renamed
+    `eval/<name>_<key>` in each set's rows, and each set's accuracy (the 0/1 accuracy reward's
+    mean, as `correct_rate` is read) and size (samples_per_second x runtime x
+    num_generations_eval, else num_generations) -> the L5 columns `eval_id_accuracy`,
+    `eval_id_completions`, `eval_ood_*`, as the `trl` importer reads trainer_state.json
+    (`ood_sets`, else `ood` in a set's name).
+
     A file cut mid-write (a run killed, or still running) is read up to its last whole record,
     with a warning saying where it stops; damage before the end, a file that is not a W&B run
     file, or a run with no history is an error, and nothing is written. Re-running on a grown
@@ -146,7 +156,13 @@ def import_wandb(session: Session) -> None:
     if axis is None:
         axis, why = _axis(logs, history)
         state["axis"], state["axis_why"] = axis, why
+    history, evals = _eval_sets(history, axis, session, _run_config(logs))
     frame = _steps(history, axis, logs, session)
+    if evals:
+        l5 = pl.DataFrame([{"step": step, **row} for step, row in sorted(evals.items())]).cast(
+            {"step": pl.Int64}
+        )
+        frame = frame.join(l5, on="step", how="full", coalesce=True).sort("step")
     if frame.height == 0 and not session.entry["last_step"]:
         raise RlscopeError(
             f"{logs[0].path}: the W&B run has no history (no numeric value logged with wandb.log)",
@@ -432,6 +448,54 @@ def _trl_rollouts(
     set_meta()
 
 
+#: transformers' Trainer.evaluate of a dict of eval sets: each set's own `eval_<name>_runtime`,
+#: under `eval/` (rewrite_logs); TRL's metrics of the set come in the same log call, unnamed.
+EVAL_SET_RUNTIME = re.compile(r"^eval/(.+)_runtime$")
+
+
+def _eval_sets(
+    history: pl.DataFrame, axis: str, session: Session, config: dict[str, Any]
+) -> tuple[pl.DataFrame, dict[int, dict[str, float]]]:
+    """A dict of eval sets logged by transformers' WandbCallback: every set's rows hold TRL's
+    unnamed `eval/<key>` metrics beside the set's own `eval/<name>_runtime` (one log call a
+    set, several at one step). The unnamed keys are renamed `eval/<name>_<key>` in each set's
+    rows (so that two sets at a step do not overwrite each other when rows merge by step), and
+    each row goes through the TRL importer's EvalSets (one home for what a set is, its split
+    and its size) for the L5 columns, with the accuracy of the 0/1 accuracy reward."""
+    sets = [m.group(1) for c in history.columns if (m := EVAL_SET_RUNTIME.match(c))]
+    if not sets or axis not in history.columns:
+        return history, {}
+    named = tuple(f"eval/{n}_" for n in sets)
+    unnamed = [c for c in history.columns if c.startswith("eval/") and not c.startswith(named)]
+    in_set = {n: pl.col(f"eval/{n}_runtime").is_not_null() for n in sets}
+    any_set = pl.any_horizontal(*in_set.values())
+    renamed = [
+        pl.when(in_set[n]).then(pl.col(c)).alias(f"eval/{n}_{c[len('eval/') :]}")
+        for n in sets
+        for c in unnamed
+    ]
+    kept = [pl.when(~any_set).then(pl.col(c)).alias(c) for c in unnamed]
+    rows = history.filter(any_set).select(
+        axis, *unnamed, *(c for c in history.columns if c.startswith(named))
+    )
+    accuracy = Resolved({})
+    binary_accuracy(history, accuracy)
+    key = next((k for k, v in accuracy.mapping.items() if v == "correct_rate"), None)
+    generations = config.get("num_generations_eval") or config.get("num_generations")
+    evals = trl_importer.EvalSets(
+        key.removeprefix("train/") if key else None,
+        session.options.get("ood_sets"),
+        generations if isinstance(generations, int) else None,
+    )
+    for row in rows.iter_rows(named=True):
+        step = row.pop(axis)
+        entry = {f"eval_{k[len('eval/') :]}": v for k, v in row.items() if v is not None}
+        if step is not None:
+            evals.read(int(step), entry)
+    session.notes += evals.notes()
+    return history.with_columns(*renamed, *kept), evals.points.columns()
+
+
 def _run_config(logs: list[RunLog]) -> dict[str, Any]:
     config: dict[str, Any] = {}
     for log in logs:
@@ -453,6 +517,8 @@ WANDB = Importer(
             for o in trl_importer.TRL.options
             if o.name
             in (
+                "ood_sets",
+                "num_generations_eval",
                 "reward_columns",
                 "reward_weights",
                 "extra_columns",
