@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -32,6 +33,22 @@ TRAINERS = Path(__file__).parent / "trainers"
 #: Genuine trainer output (each folder's README says how it was made): kept in the repository
 #: so that every clone tests the same thing.
 GENUINE = Path(__file__).parent / "genuine"
+
+
+def genuine_eval_points() -> tuple[list[dict[str, Any]], dict[tuple[int, str], tuple[float, int]]]:
+    """tests/genuine/trl-two-eval-sets' log_history and, per (step, split), each eval set's
+    accuracy and completions as TRL logged them (8 completions a prompt)."""
+    history = json.loads((GENUINE / "trl-two-eval-sets" / "trainer_state.json").read_text())
+    points = {}
+    for entry in history["log_history"]:
+        for name, split in (("in_dist", "eval_id"), ("ood", "eval_ood")):
+            if f"eval_{name}_runtime" in entry:
+                size = entry[f"eval_{name}_samples_per_second"] * entry[f"eval_{name}_runtime"]
+                points[entry["step"], split] = (
+                    entry["eval_rewards/accuracy_reward/mean"],
+                    round(size) * 8,
+                )
+    return history["log_history"], points
 
 
 def run_trainer(

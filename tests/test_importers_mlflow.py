@@ -12,6 +12,7 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
+import rlscope
 from rlscope.cli import app
 from rlscope.errors import RlscopeError
 from rlscope.importers import import_run
@@ -19,6 +20,7 @@ from rlscope.reader import open_run
 
 pytest.importorskip("mlflow")
 pytest.importorskip("sqlalchemy")
+from conftest import genuine_eval_points
 from trainer_keys import trl_logs, verl_metrics
 
 # mlflow's own use of SQLAlchemy warns (noload); not rlscope's concern
@@ -87,6 +89,23 @@ def write_trl(mlflow, name: str) -> str:
         return run.info.run_id
 
 
+def write_trl_evals(mlflow, name: str) -> str:
+    """A genuine TRL run with a dict of two eval sets (tests/genuine/trl-two-eval-sets), entry
+    by entry as MLflowCallback.on_log logs it: one log_metrics call a log entry, so one
+    timestamp a call; both sets' entries at a step carry TRL's same unnamed eval_ keys."""
+    mlflow.set_experiment("rlscope-tests")
+    with mlflow.start_run(run_name=name) as run:
+        mlflow.log_params({"num_generations": 8, "max_grad_norm": 1.0})
+        for entry in genuine_eval_points()[0]:
+            metrics = {
+                re.sub(r"[^0-9A-Za-z_\-\.\ :/]", "_", k): v
+                for k, v in entry.items()
+                if k != "step" and isinstance(v, int | float)
+            }
+            mlflow.log_metrics(metrics=metrics, step=entry["step"])
+        return run.info.run_id
+
+
 @pytest.fixture(scope="session")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     import mlflow
@@ -103,6 +122,9 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         mlflow.set_tracking_uri((root / "mlruns").as_uri())
         out["files"] = root / "mlruns"
         out["files_verl"] = write_verl(mlflow, "verl-files", agg="seq-mean-token-sum")
+        mlflow.set_tracking_uri((root / "evals").as_uri())
+        out["evals"] = root / "evals"
+        write_trl_evals(mlflow, "trl-evals")
         empty = root / "empty"
         mlflow.set_tracking_uri(f"sqlite:///{empty}.db")
         mlflow.set_experiment("empty")
@@ -117,6 +139,21 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             else:
                 os.environ[key] = value
     return out
+
+
+def test_a_dict_of_eval_sets_gives_l5(stores: dict[str, object], tmp_path: Path) -> None:
+    """Each set's log call is one timestamp: the two sets at a step are told apart, their
+    accuracy and size reach the L5 columns as TRL logged them, and ood-gap is judged."""
+    out = tmp_path / "out"
+    import_run("mlflow", stores["evals"], out)
+    steps = steps_of(out)
+    points = genuine_eval_points()[1]
+    assert len(points) == 24
+    for (step, split), (accuracy, completions) in points.items():
+        row = steps.filter(pl.col("step") == step).row(0, named=True)
+        assert row[f"{split}_accuracy"] == pytest.approx(accuracy)
+        assert row[f"{split}_completions"] == completions
+    assert "ood-gap" in {f.id for f in rlscope.analyze(out).findings}
 
 
 def steps_of(out: Path) -> pl.DataFrame:

@@ -19,6 +19,7 @@ from rlscope.importers import IMPORTERS, import_run
 from rlscope.reader import open_run
 
 pytest.importorskip("tensorboard")
+from conftest import genuine_eval_points
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
@@ -194,6 +195,39 @@ def test_a_binary_accuracy_reward_is_pass_at_1_without_rollouts(tmp_path: Path) 
     meta = json.loads((tmp_path / "scaled-out" / "run.json").read_text())
     assert meta["provenance"]["correct_rate"].startswith("not read")
     assert "signal.pass_at_1" not in rlscope.analyze(tmp_path / "scaled-out").metrics
+
+
+def test_a_dict_of_eval_sets_gives_l5(tmp_path: Path) -> None:
+    """A genuine TRL run with a dict of two eval sets (tests/genuine/trl-two-eval-sets), entry by
+    entry as TensorBoardCallback.on_log writes it (rewrite_logs, then add_scalar key after key):
+    a set's own keys come before TRL's unnamed eval/ ones, so the events of one call are told
+    apart; each set's accuracy and size reach the L5 columns and ood-gap is judged."""
+    folder = tmp_path / "runs" / "a"
+    folder.mkdir(parents=True)
+    writer = EventFileWriter(str(folder))
+    args = summary_pb2.Summary()  # on_train_begin: add_text("args", args.to_json_string())
+    text = args.value.add(
+        tag="args/text_summary", tensor=tensor_util.make_tensor_proto('{"num_generations": 8}')
+    )
+    text.metadata.plugin_data.plugin_name = "text"
+    writer.add_event(event_pb2.Event(step=0, wall_time=1.0, summary=args))
+    for entry in genuine_eval_points()[0]:
+        for key, value in entry.items():
+            if key == "step" or not isinstance(value, int | float):
+                continue
+            tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+            summary = summary_pb2.Summary()
+            summary.value.add(tag=tag, simple_value=value)
+            writer.add_event(event_pb2.Event(step=entry["step"], wall_time=1.0, summary=summary))
+    writer.close()
+    import_run("tensorboard", tmp_path / "runs", tmp_path / "out")
+    steps = steps_of(tmp_path / "out")
+    points = genuine_eval_points()[1]
+    for (step, split), (accuracy, completions) in points.items():
+        row = steps.filter(pl.col("step") == step).row(0, named=True)
+        assert row[f"{split}_accuracy"] == pytest.approx(accuracy, rel=1e-6)  # float32 events
+        assert row[f"{split}_completions"] == completions
+    assert "ood-gap" in {f.id for f in rlscope.analyze(tmp_path / "out").findings}
 
 
 def write_openrlhf(folder: Path, steps: range, *, kl: float = 0.0) -> None:

@@ -219,6 +219,15 @@ def binary_accuracy(frame: pl.DataFrame, resolved: Resolved) -> None:
         )
 
 
+def binary_accuracy_key(frame: pl.DataFrame) -> str | None:
+    """`rewards/<fn>/mean` of the 0/1 accuracy reward `binary_accuracy` reads in `frame`, the
+    key its evaluation metrics carry after the eval prefix; None without one."""
+    resolved = Resolved({})
+    binary_accuracy(frame, resolved)
+    key = next((k for k, v in resolved.mapping.items() if v == "correct_rate"), None)
+    return key.removeprefix("train/") if key else None
+
+
 def mapped_once(
     state: dict[str, Any], frame: pl.DataFrame, names: Mapping[str, str], config: Mapping[str, Any]
 ) -> list[str]:

@@ -11,15 +11,17 @@ from typing import Any
 import polars as pl
 
 from rlscope.errors import RlscopeError
+from rlscope.importers import trl as trl_importer
 from rlscope.importers._tags import (
     TRL_NAMES,
     VERL_TAGS,
+    binary_accuracy_key,
     config_fields,
     mapped_once,
     step_columns,
     with_mapping,
 )
-from rlscope.importers.options import COMMON_OPTIONS, Option
+from rlscope.importers.options import COMMON_OPTIONS, OOD_SETS_OPTION, Option
 from rlscope.importers.session import MAX_STEP, Importer, Session
 
 SQLITE_MAGIC = b"SQLite format 3\0"
@@ -61,6 +63,12 @@ def import_mlflow(session: Session) -> None:
 
     {MAPPING}
 
+    A dict of eval sets (TRL through transformers' MLflowCallback: one log_metrics call a set,
+    at one timestamp, the set's own `eval_<name>_runtime` beside TRL's unnamed `eval_...`
+    keys): each call is its (step, timestamp), TRL's keys renamed `eval_<name>_<key>`, and
+    each set's accuracy and size go to the L5 columns as the `trl` importer reads them
+    (`ood_sets`, else `ood` in a set's name).
+
     run.json from the run's params, where the key is there (verl logs its config flattened
     with `/`, `actor_rollout_ref/rollout/n`; transformers logs the TrainingArguments):
     group_size, clip ratios, max_response_len, max_grad_norm and algorithm as the `wandb`
@@ -85,19 +93,23 @@ def import_mlflow(session: Session) -> None:
     if verl:
         long = long.with_columns(pl.col("key").str.replace_all("_at_", "@", literal=True))
         notes.append("verl's MLflow key sanitising undone: `_at_` read as `@`")
-    frame = _wide(long, session)
+    config = {k.replace("/", "."): _param(v) for k, v in params.items()}
+    frame, l5 = _with_eval_sets(long, session, config)
     state = session.state()
     provenance: dict[str, str] = {
         "step": "MLflow's step (verl tracking.py _MlflowLoggingAdapter.log and transformers "
         "MLflowCallback.on_log log the global step)"
     }
-    config = {k.replace("/", "."): _param(v) for k, v in params.items()}
     provenance.update(config_fields(config, session, f"the MLflow run's params ({run['id']})"))
     session.notes += mapped_once(state, frame, NAMES, config)
     provenance.update(state.get("provenance", {}))
     session.meta["provenance"] = provenance
     session.notes += notes
-    frame = session.add_step_frame(step_columns(frame, state["mapping"]))
+    frame = step_columns(frame, state["mapping"])
+    if l5:
+        columns = pl.DataFrame([{"step": k, **v} for k, v in sorted(l5.items())])
+        frame = frame.join(columns.cast({"step": pl.Int64}), on="step", how="full", coalesce=True)
+    frame = session.add_step_frame(frame.sort("step"))
     session.notes.append(
         f"MLflow run {run['id']}" + (f" ({run['name']})" if run.get("name") else "")
     )
@@ -114,6 +126,43 @@ def _param(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+def _with_eval_sets(
+    long: pl.DataFrame, session: Session, config: dict[str, Any]
+) -> tuple[pl.DataFrame, dict[int, dict[str, float]]]:
+    """The wide steps frame, with a dict of eval sets told apart: transformers' MLflowCallback
+    logs each log call's metrics at one timestamp, so the calls of the `eval_` keys are their
+    (step, timestamp) rows (trl_importer.eval_set_calls: each set's TRL keys renamed by the
+    set, its accuracy and size the L5 columns, returned by step)."""
+    is_eval = pl.col("key").str.starts_with("eval_")
+    train = _wide(long.filter(~is_eval), session)
+    generations = next(
+        (
+            g
+            for k in ("num_generations_eval", "num_generations")
+            if isinstance(g := config.get(k), int)
+        ),
+        None,
+    )
+    evals = trl_importer.EvalSets(
+        binary_accuracy_key(train),
+        session.options.get("ood_sets"),
+        generations,
+    )
+    calls = long.filter(is_eval).pivot(
+        on="key", index=["step", "timestamp"], values="value", aggregate_function="last"
+    )
+    calls = trl_importer.eval_set_calls(calls, "eval_", "step", evals)
+    if not evals.points.points:
+        return _wide(long, session), {}
+    session.notes += evals.notes()
+    keys = [c for c in calls.columns if c not in ("step", "timestamp")]
+    renamed = calls.unpivot(keys, index=["step", "timestamp"], variable_name="key").drop_nulls(
+        "value"
+    )
+    both = pl.concat([long.filter(~is_eval), renamed.select(long.columns)], how="vertical_relaxed")
+    return _wide(both, session), evals.points.columns()
 
 
 def _wide(long: pl.DataFrame, session: Session) -> pl.DataFrame:
@@ -319,6 +368,7 @@ MLFLOW = Importer(
             None,
             "the MLflow run to import: its id or name (default: the store's only run)",
         ),
+        OOD_SETS_OPTION,
         *COMMON_OPTIONS,
     ),
     tables=("steps",),

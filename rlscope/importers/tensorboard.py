@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,16 +12,18 @@ from typing import Any
 import polars as pl
 
 from rlscope.errors import RlscopeError
+from rlscope.importers import trl as trl_importer
 from rlscope.importers._common import StepRows
 from rlscope.importers._tags import (
     TAGS,
+    Resolved,
     all_zero_rows,
     binary_accuracy,
     config_fields,
     resolve,
     with_mapping,
 )
-from rlscope.importers.options import COMMON_OPTIONS
+from rlscope.importers.options import COMMON_OPTIONS, OOD_SETS_OPTION
 from rlscope.importers.session import Importer, Session
 
 #: The optional extra that brings the event-file reader.
@@ -29,6 +32,10 @@ EVENT_GLOB = "*tfevents*"
 #: transformers' TensorBoardCallback `add_text("args", ...)`: torch's SummaryWriter stores the
 #: tag as `<tag>/text_summary`, tensorboardX as it is.
 ARGS_TAGS = ("args/text_summary", "args")
+#: transformers' rewrite_logs puts a Trainer's `eval_` keys under `eval/`.
+EVAL = "eval/"
+#: Trainer.evaluate's own keys of an eval set of a dict (`metric_key_prefix=f"eval_{name}"`).
+SET_KEY = re.compile(r"^eval/(.+)_(loss|runtime|samples_per_second|steps_per_second)$")
 #: Tags of TRL's per-reward-function statistics (`binary_accuracy` reads them).
 REWARD_KEYS = ("rewards/", "train/rewards/")
 
@@ -115,6 +122,56 @@ def _text(value: Any) -> str | None:
     return strings[0].decode("utf-8", "replace") if len(strings) == 1 else None
 
 
+def _add_to_call(calls: list[dict[str, float]], step: int, tag: str, value: float) -> None:
+    """An eval/ event into the log call it came in: transformers' TensorBoardCallback.on_log
+    writes a call's keys one after another, an eval set's own keys (`eval/<name>_loss`,
+    `_runtime`, ...: Trainer.evaluate's) before TRL's unnamed ones. A call ends where the step
+    changes, a key repeats, or another set's own keys begin."""
+    current = calls[-1] if calls else None
+    own = SET_KEY.match(tag)
+    if current is not None and current["step"] == step and tag not in current:
+        sets = {m.group(1) for k in current if isinstance(k, str) and (m := SET_KEY.match(k))}
+        unnamed = any(k != "step" and not SET_KEY.match(k) for k in current)
+        if own is None or (sets <= {own.group(1)} and not unnamed):
+            current[tag] = value
+            return
+    calls.append({"step": step, tag: value})
+
+
+def _eval_sets(
+    calls: list[dict[str, float]],
+    per_file: list[tuple[Path, dict[int, dict[str, float]]]],
+    session: Session,
+    resolved: Resolved,
+) -> None:
+    """A dict of eval sets (trl_importer.eval_set_calls on the eval/ log calls): each set's
+    TRL keys renamed by the set in the steps rows, and its accuracy and size as L5 columns."""
+    if not calls:
+        return
+    accuracy = next((k for k, v in resolved.mapping.items() if v == "correct_rate"), None)
+    evals = trl_importer.EvalSets(
+        accuracy.removeprefix("train/") if accuracy else None,
+        session.options.get("ood_sets"),
+        session.meta.get("group_size"),
+    )
+    frame = trl_importer.eval_set_calls(pl.DataFrame(calls), EVAL, "step", evals)
+    if not evals.points.points:
+        return
+    session.notes += evals.notes()
+    per_step: dict[int, dict[str, float]] = {}
+    for row in frame.iter_rows(named=True):
+        step = int(row.pop("step"))
+        per_step.setdefault(step, {}).update({k: v for k, v in row.items() if v is not None})
+    l5 = evals.points.columns()
+    for _, by_step in per_file:
+        for step, row in by_step.items():
+            if step in per_step:
+                for key in [k for k in row if k.startswith(EVAL)]:
+                    del row[key]
+                row.update(per_step[step])
+            row.update(l5.get(step, {}))
+
+
 def _trainer_args(texts: dict[str, str], session: Session) -> None:
     """run.json fields from transformers' Trainer arguments, which its TensorBoardCallback
     writes once as the text summary `args` (integration_utils.py `on_train_begin`:
@@ -142,6 +199,11 @@ def import_tensorboard(session: Session) -> None:
     run.json from the Trainer's arguments where its TensorBoardCallback wrote them (the text
     summary `args`: group size = num_generations, clip ratios = epsilon / epsilon_high,
     max_response_len = max_completion_length, max_grad_norm), as for W&B's config.
+    A dict of eval sets (TRL through transformers' TensorBoardCallback: each set's call writes
+    its own `eval/<name>_runtime`, ... before TRL's unnamed `eval/...` keys, key after key):
+    each call's events are told apart by that order, TRL's keys renamed `eval/<name>_<key>`,
+    and each set's accuracy and size go to the L5 columns as the `trl` importer reads them
+    (`ood_sets`, else `ood` in a set's name).
     Histograms, images and other text are skipped and counted in the notes. The step is the
     event's
     step (verl's global step, the Trainer's and OpenRLHF's global_step). A source with no event
@@ -157,6 +219,7 @@ def import_tensorboard(session: Session) -> None:
     per_file: list[tuple[Path, dict[int, dict[str, float]]]] = []
     skipped: dict[str, int] = {}
     texts: dict[str, str] = {}
+    all_calls: list[dict[str, float]] = []
     any_scalar = False
     for done, path in enumerate(files, 1):
         status = session.read_status(path, done, len(files))
@@ -164,10 +227,14 @@ def import_tensorboard(session: Session) -> None:
             any_scalar = True  # imported before
             continue
         by_step: dict[int, dict[str, float]] = {}
+        calls: list[dict[str, float]] = []  # the file's eval/ events as log calls, in order
         for step, tag, value in _scalars(path, loader, skipped, texts):
             by_step.setdefault(step, {})[tag] = value
+            if tag.startswith(EVAL):
+                _add_to_call(calls, step, tag, value)
         any_scalar = any_scalar or bool(by_step)
         per_file.append((path, by_step))
+        all_calls += calls
         session.tick(done, len(files))
     if not any_scalar:
         raise RlscopeError(
@@ -182,6 +249,7 @@ def import_tensorboard(session: Session) -> None:
         for row in rows.values()
     ]
     binary_accuracy(pl.DataFrame(rewards), resolved)
+    _eval_sets(all_calls, per_file, session, resolved)
     mapping = resolved.mapping
     session.notes += resolved.notes
     if resolved.provenance:
@@ -218,7 +286,7 @@ def _finite_or_nan(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 TENSORBOARD = Importer(
     name="tensorboard",
     summary="TensorBoard event files (verl, transformers/TRL, OpenRLHF tags) -> steps table",
-    options=COMMON_OPTIONS,
+    options=(OOD_SETS_OPTION, *COMMON_OPTIONS),
     tables=("steps",),
     default_algorithm="GRPO",
     run=import_tensorboard,

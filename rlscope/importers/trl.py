@@ -931,6 +931,44 @@ class EvalSets:
 EVAL_SET = re.compile(r"^eval_(.+)_runtime$")
 
 
+def eval_set_calls(
+    calls: pl.DataFrame,
+    prefix: str,
+    step: str,
+    evals: EvalSets,
+) -> pl.DataFrame:
+    """A dict of eval sets as a steps-only sink keeps it: `calls` holds one row per log call
+    (its step in column `step`), each set's call with the set's own `<prefix><name>_runtime`
+    beside TRL's unnamed `<prefix><key>` metrics (`eval/` under transformers' WandbCallback
+    and TensorBoardCallback, `eval_` under its MLflowCallback). Every set's call goes through
+    `evals` (what a set is, its split and size: the L5 columns), and the calls are returned
+    with TRL's keys renamed `<prefix><name>_<key>` in each set's rows, so that two sets at one
+    step do not overwrite each other once rows merge by step."""
+    runtime = re.compile(rf"^{re.escape(prefix)}(.+)_runtime$")
+    sets = [m.group(1) for c in calls.columns if (m := runtime.match(c))]
+    if not sets or step not in calls.columns:
+        return calls
+    named = tuple(f"{prefix}{n}_" for n in sets)
+    unnamed = [c for c in calls.columns if c.startswith(prefix) and not c.startswith(named)]
+    in_set = {n: pl.col(f"{prefix}{n}_runtime").is_not_null() for n in sets}
+    any_set = pl.any_horizontal(*in_set.values())
+    own = [c for c in calls.columns if c.startswith(named)]
+    for row in calls.filter(any_set).select(step, *unnamed, *own).iter_rows(named=True):
+        at = row.pop(step)
+        if at is not None:
+            evals.read(
+                int(at), {f"eval_{k[len(prefix) :]}": v for k, v in row.items() if v is not None}
+            )
+    return calls.with_columns(
+        *(
+            pl.when(in_set[n]).then(pl.col(c)).alias(f"{prefix}{n}_{c[len(prefix) :]}")
+            for n in sets
+            for c in unnamed
+        ),
+        *(pl.when(~any_set).then(pl.col(c)).alias(c) for c in unnamed),
+    )
+
+
 def _finite(value: Any) -> float | None:
     """A finite number as a float, else None."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):

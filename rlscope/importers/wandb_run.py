@@ -15,8 +15,7 @@ from rlscope.errors import RlscopeError
 from rlscope.importers import trl as trl_importer
 from rlscope.importers._tags import (
     TAGS,
-    Resolved,
-    binary_accuracy,
+    binary_accuracy_key,
     config_fields,
     mapped_once,
     step_columns,
@@ -448,52 +447,27 @@ def _trl_rollouts(
     set_meta()
 
 
-#: transformers' Trainer.evaluate of a dict of eval sets: each set's own `eval_<name>_runtime`,
-#: under `eval/` (rewrite_logs); TRL's metrics of the set come in the same log call, unnamed.
-EVAL_SET_RUNTIME = re.compile(r"^eval/(.+)_runtime$")
-
-
 def _eval_sets(
     history: pl.DataFrame, axis: str, session: Session, config: dict[str, Any]
 ) -> tuple[pl.DataFrame, dict[int, dict[str, float]]]:
-    """A dict of eval sets logged by transformers' WandbCallback: every set's rows hold TRL's
-    unnamed `eval/<key>` metrics beside the set's own `eval/<name>_runtime` (one log call a
-    set, several at one step). The unnamed keys are renamed `eval/<name>_<key>` in each set's
-    rows (so that two sets at a step do not overwrite each other when rows merge by step), and
-    each row goes through the TRL importer's EvalSets (one home for what a set is, its split
-    and its size) for the L5 columns, with the accuracy of the 0/1 accuracy reward."""
-    sets = [m.group(1) for c in history.columns if (m := EVAL_SET_RUNTIME.match(c))]
-    if not sets or axis not in history.columns:
-        return history, {}
-    named = tuple(f"eval/{n}_" for n in sets)
-    unnamed = [c for c in history.columns if c.startswith("eval/") and not c.startswith(named)]
-    in_set = {n: pl.col(f"eval/{n}_runtime").is_not_null() for n in sets}
-    any_set = pl.any_horizontal(*in_set.values())
-    renamed = [
-        pl.when(in_set[n]).then(pl.col(c)).alias(f"eval/{n}_{c[len('eval/') :]}")
-        for n in sets
-        for c in unnamed
-    ]
-    kept = [pl.when(~any_set).then(pl.col(c)).alias(c) for c in unnamed]
-    rows = history.filter(any_set).select(
-        axis, *unnamed, *(c for c in history.columns if c.startswith(named))
+    """A dict of eval sets logged by transformers' WandbCallback (a history row is a log call:
+    trl_importer.eval_set_calls), with the 0/1 accuracy reward's mean as a set's accuracy."""
+    generations = next(
+        (
+            g
+            for k in ("num_generations_eval", "num_generations")
+            if isinstance(g := config.get(k), int)
+        ),
+        None,
     )
-    accuracy = Resolved({})
-    binary_accuracy(history, accuracy)
-    key = next((k for k, v in accuracy.mapping.items() if v == "correct_rate"), None)
-    generations = config.get("num_generations_eval") or config.get("num_generations")
     evals = trl_importer.EvalSets(
-        key.removeprefix("train/") if key else None,
+        binary_accuracy_key(history),
         session.options.get("ood_sets"),
-        generations if isinstance(generations, int) else None,
+        generations,
     )
-    for row in rows.iter_rows(named=True):
-        step = row.pop(axis)
-        entry = {f"eval_{k[len('eval/') :]}": v for k, v in row.items() if v is not None}
-        if step is not None:
-            evals.read(int(step), entry)
+    history = trl_importer.eval_set_calls(history, "eval/", axis, evals)
     session.notes += evals.notes()
-    return history.with_columns(*renamed, *kept), evals.points.columns()
+    return history, evals.points.columns()
 
 
 def _run_config(logs: list[RunLog]) -> dict[str, Any]:
