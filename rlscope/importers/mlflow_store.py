@@ -137,19 +137,7 @@ def _with_eval_sets(
     set, its accuracy and size the L5 columns, returned by step)."""
     is_eval = pl.col("key").str.starts_with("eval_")
     train = _wide(long.filter(~is_eval), session)
-    generations = next(
-        (
-            g
-            for k in ("num_generations_eval", "num_generations")
-            if isinstance(g := config.get(k), int)
-        ),
-        None,
-    )
-    evals = trl_importer.EvalSets(
-        binary_accuracy_key(train),
-        session.options.get("ood_sets"),
-        generations,
-    )
+    evals = trl_importer.EvalSets.of_config(binary_accuracy_key(train), session, config)
     calls = long.filter(is_eval).pivot(
         on="key", index=["step", "timestamp"], values="value", aggregate_function="last"
     )

@@ -149,10 +149,10 @@ def _eval_sets(
     if not calls:
         return
     accuracy = next((k for k, v in resolved.mapping.items() if v == "correct_rate"), None)
-    evals = trl_importer.EvalSets(
+    evals = trl_importer.EvalSets.of_config(
         accuracy.removeprefix("train/") if accuracy else None,
-        session.options.get("ood_sets"),
-        session.meta.get("group_size"),
+        session,
+        {"num_generations": session.meta.get("group_size")},
     )
     frame = trl_importer.eval_set_calls(pl.DataFrame(calls), EVAL, "step", evals)
     if not evals.points.points:

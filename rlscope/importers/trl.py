@@ -7,6 +7,7 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Mapping
 from functools import reduce
 from pathlib import Path
 from typing import Any
@@ -894,6 +895,22 @@ class EvalSets:
         self.accuracy_key = accuracy_key
         self.generations = generations
         self.points = EvalPoints(ood_sets)
+
+    @classmethod
+    def of_config(
+        cls, accuracy_key: str | None, session: Session, config: Mapping[str, Any]
+    ) -> EvalSets:
+        """For a steps-only sink: the `ood_sets` option, and the completions a prompt from the
+        run's config (GRPOConfig num_generations_eval, else num_generations)."""
+        generations = next(
+            (
+                g
+                for k in ("num_generations_eval", "num_generations")
+                if isinstance(g := config.get(k), int) and not isinstance(g, bool)
+            ),
+            None,
+        )
+        return cls(accuracy_key, session.options.get("ood_sets"), generations)
 
     def read(self, step: int, entry: dict[str, Any]) -> dict[str, Any]:
         """The entry as steps columns (an eval set's TRL keys named by the set)."""

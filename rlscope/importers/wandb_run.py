@@ -452,19 +452,7 @@ def _eval_sets(
 ) -> tuple[pl.DataFrame, dict[int, dict[str, float]]]:
     """A dict of eval sets logged by transformers' WandbCallback (a history row is a log call:
     trl_importer.eval_set_calls), with the 0/1 accuracy reward's mean as a set's accuracy."""
-    generations = next(
-        (
-            g
-            for k in ("num_generations_eval", "num_generations")
-            if isinstance(g := config.get(k), int)
-        ),
-        None,
-    )
-    evals = trl_importer.EvalSets(
-        binary_accuracy_key(history),
-        session.options.get("ood_sets"),
-        generations,
-    )
+    evals = trl_importer.EvalSets.of_config(binary_accuracy_key(history), session, config)
     history = trl_importer.eval_set_calls(history, "eval/", axis, evals)
     session.notes += evals.notes()
     return history, evals.points.columns()
