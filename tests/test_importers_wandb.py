@@ -160,7 +160,7 @@ def test_trl_completions_table_becomes_rollouts(runs: dict[str, Path], tmp_path:
     assert steps[terminated.format("max")].to_list() == [100.0 + s for s in range(1, 13)]
     assert steps["eval/loss"].drop_nulls().to_list() == [0.4, 0.4]
     doc = run_json(out)
-    assert doc["group_size"] == GENERATIONS and doc["max_grad_norm"] == 1.0
+    assert doc["group_size"] == GENERATIONS and doc["max_grad_norm"] == 0.5
     assert doc["correct_source"] == "accuracy_reward > 0"
     assert doc["provenance"]["step"].startswith("train/global_step: declared")
     assert "W&B train/rewards" in doc["provenance"]["reward"]

@@ -415,19 +415,19 @@ def _set_meta(session: Session) -> None:
                 f"scale_rewards='{scale}' ({how}): the share of groups with zero reward σ, compared"
             )
     clip = session.options.get("max_grad_norm")
-    if clip is None:
-        clip, how = (
-            TRAINER_MAX_GRAD_NORM,
-            (
-                "transformers' TrainingArguments default (TRL's output dir does not record the "
-                "run's arguments; -X max_grad_norm=X when the run set another, 0 for none)"
-            ),
+    if clip is not None:
+        meta.pop("max_grad_norm", None)
+        if clip > 0:
+            meta["max_grad_norm"] = float(clip)
+        provenance["max_grad_norm"] = f"{clip:g}: the max_grad_norm option"
+    elif state.setdefault("clip_default", "max_grad_norm" not in meta):
+        # decided at the first call: a run config (W&B's) may have given the clip already
+        meta["max_grad_norm"] = TRAINER_MAX_GRAD_NORM
+        provenance["max_grad_norm"] = (
+            f"{TRAINER_MAX_GRAD_NORM:g}: transformers' TrainingArguments default (TRL's output "
+            "dir does not record the run's arguments; -X max_grad_norm=X when the run set "
+            "another, 0 for none)"
         )
-    else:
-        how = "the max_grad_norm option"
-    if clip > 0:
-        meta["max_grad_norm"] = float(clip)
-    provenance["max_grad_norm"] = f"{clip:g}: {how}"
     if provenance:
         meta["provenance"] = provenance
 
