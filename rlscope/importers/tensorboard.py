@@ -205,9 +205,8 @@ def import_tensorboard(session: Session) -> None:
     and each set's accuracy and size go to the L5 columns as the `trl` importer reads them
     (`ood_sets`, else `ood` in a set's name).
     Histograms, images and other text are skipped and counted in the notes. The step is the
-    event's
-    step (verl's global step, the Trainer's and OpenRLHF's global_step). A source with no event
-    file, or whose files hold no scalar, is an error."""
+    event's step (verl's global step, the Trainer's and OpenRLHF's global_step). A source with
+    no event file, or whose files hold no scalar, is an error."""
     loader = _loader()
     files = event_files(session.source)
     if not files:
