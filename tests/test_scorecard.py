@@ -35,10 +35,12 @@ def test_the_scorecard_measures_genuine_runs(tmp_path: Path) -> None:
     assert summary["healthy_pairs"] == 1 and summary["healthy_with_alarm"] == 0
     table = out.read_text()
     assert table.startswith("# Scorecard") and "**Recall** 1/1" in table
-    # the frozen critic is judged from 20 steps: named at step 20, 19 steps after its start
+    # the frozen critic is judged from 20 steps: named at step 20, 19 steps after its start,
+    # where stop_on="critical" stops the run; no accuracy log, so no half-way step
     assert (
         "| genuine ppo-critic/frozen | critic frozen (1) | verl file logger | "
-        "critic-not-learning:critical | 20 | 20 | 19 / 19 |"
+        "critic-not-learning:critical | 20 (`critic-not-learning`) | 20 | 19 / 19 | "
+        "20 (`critic-not-learning`) | — |"
     ) in table
     assert "| genuine ppo-critic/healthy | verl file logger | 95 | 0 | none |" in table
     assert not (tmp_path / "corpus").exists() or not any((tmp_path / "corpus").iterdir())

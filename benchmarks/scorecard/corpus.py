@@ -26,7 +26,14 @@ GENUINE = ROOT / "tests" / "genuine"
 
 #: The learning-rate mechanism's findings: the task outcome falls, the policy drifts from its
 #: reference, its updates spike (trl_lr_collapse.py: lr 40x).
-LR_FAULT = ("performance-regression", "kl-high", "kl-runaway", "grad-spike", "divergence")
+LR_FAULT = (
+    "update-change",
+    "performance-regression",
+    "kl-high",
+    "kl-runaway",
+    "grad-spike",
+    "divergence",
+)
 #: A reward the policy can raise without the task: the findings that name what it learns.
 FORMAT_FAULT = ("reward-hacking", "auxiliary-reward-dominates")
 #: Sinks of a TRL run: (name, import format or "" for an rlscope run directory, path under the
@@ -97,9 +104,10 @@ def _found(path: Path) -> Path:
 
 
 def _trl(name: str, mode: str, steps: int, healthy: bool, **env: str) -> Run:
+    factor = env.get("TRAINER_JUMP_FACTOR", "40")
     fault = {
         "too-high": "lr 40x from step 1",
-        "jump": "lr x40 from step 25",
+        "jump": f"lr x{factor} from step 25",
         "format-only": "accuracy weighted 0: the format reward alone",
     }.get(mode, "")
     start = {"too-high": 1, "jump": 25, "format-only": 1}.get(mode)
@@ -170,9 +178,30 @@ CORPUS: tuple[Run, ...] = (
         TRAINER_SCALE_REWARDS="none",
     ),
     _trl("trl-healthy-spg2", "healthy", 50, True, TRAINER_STEPS_PER_GENERATION="2"),
+    # Scheduled changes of the learning rate: a warm-up from 0, then a cosine or linear decay.
+    _trl(
+        "trl-healthy-warmup-cosine",
+        "healthy",
+        50,
+        True,
+        TRAINER_LR_SCHEDULER_TYPE="cosine",
+        TRAINER_WARMUP_STEPS="10",
+    ),
+    _trl(
+        "trl-healthy-warmup-linear",
+        "healthy",
+        50,
+        True,
+        TRAINER_LR_SCHEDULER_TYPE="linear",
+        TRAINER_WARMUP_STEPS="5",
+        TRAINER_SEED="2",
+    ),
     _trl("trl-lr-too-high", "too-high", 50, False),
     _trl("trl-lr-jump", "jump", 50, False),
     _trl("trl-lr-jump-s1", "jump", 50, False, TRAINER_SEED="1"),
+    # The case: x10, a slow decline rather than a collapse (accuracy ~0.9 to step 50,
+    # 0.3-0.7 after).
+    _trl("trl-lr-jump-x10", "jump", 70, False, TRAINER_JUMP_FACTOR="10"),
     _trl("trl-format-only", "format-only", 50, False),
     # Eval sets that do not transfer: an in-distribution set rises, one of digits never trained
     # stays at 0.
@@ -204,7 +233,7 @@ CORPUS: tuple[Run, ...] = (
         "critic-lr-jump",
         "critic lr x1000 at step 30",
         30,
-        ("value-divergence",),
+        ("update-change", "value-divergence"),
     ),
     _ppo(
         "ppo-kl-target-too-low",

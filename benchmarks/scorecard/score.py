@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from corpus import CORPUS, ROOT, Run, Sink, generate
 
 from rlscope.config import Config
@@ -38,6 +39,7 @@ from rlscope.engine import Computed, compute
 from rlscope.evaluation import evaluate_prefix
 from rlscope.importers import import_run
 from rlscope.reader import open_run
+from rlscope.rules.base import Series, halfway_step
 
 #: Prefixes of at most this many steps are the warm-up: a verdict there is not counted.
 WARMUP_STEPS = 5
@@ -58,6 +60,9 @@ class Judged:
     verdict: list[str] = field(default_factory=list)  # the whole run's, "id:severity"
     unjudged: set[str] = field(default_factory=set)  # findings whose inputs the sink lacks
     pass_at_1: dict[int, float] = field(default_factory=dict)
+    #: the first prefix with a critical finding (where stop_on="critical" judged every step
+    #: stops) and that finding
+    stop: tuple[int, str] | None = None
     error: str = ""
     seconds: float = 0.0
 
@@ -82,6 +87,9 @@ def judge(run: Run, sink: Sink, scratch: Path) -> Judged:
         alarms = sorted({f.id for f in findings if f.severity in ALARM})
         if alarms and step > WARMUP_STEPS:
             judged.alarms[step] = alarms
+        critical = sorted(f.id for f in findings if f.severity == "critical")
+        if critical and judged.stop is None:
+            judged.stop = (step, critical[0])
         for f in findings:
             if f.severity not in ALARM:
                 continue
@@ -124,6 +132,28 @@ def trainer_pass_at_1(run: Run, corpus: Path) -> dict[int, float]:
     return {int(e["step"]): e[key] / scale for e in history if key in e}
 
 
+#: A fall of the trainer's own accuracy smaller than this is no fall to be half-way through.
+MIN_FALL = 0.1
+
+
+def halfway(run: Run, logged: dict[int, float]) -> int | None:
+    """The step where the trainer's own accuracy had fallen half-way from its level before the
+    fault (the 10 steps before its start; its first step for a fault from the start) to its
+    level over the last tenth of the run (rlscope.rules.base.halfway_step: a median of 3 past
+    the middle); None without a log or a fall of MIN_FALL."""
+    if run.fault_start is None or not logged:
+        return None
+    steps = np.array(sorted(logged))
+    values = np.array([logged[s] for s in steps])
+    before = values[(steps < run.fault_start) & (steps >= run.fault_start - 10)]
+    start = float(before.mean()) if len(before) else float(values[0])
+    end = float(values[-max(3, len(values) // 10) :].mean())
+    if start - end < MIN_FALL:
+        return None
+    after = steps >= max(run.fault_start, int(steps[0]) + 1)
+    return halfway_step(Series(steps[after], values[after]), start, end)
+
+
 def _delay(first: int | None, start: int | None) -> str:
     return "—" if first is None or start is None else str(first - start)
 
@@ -140,19 +170,30 @@ def tables(results: list[Judged], corpus: Path) -> tuple[str, dict[str, float]]:
 
     lines += ["### Faults: named, and how soon", ""]
     lines += [
+        "`first warn` is the first prefix where a finding that names the fault fires (which one);"
+        ' `stop` the first prefix with any critical finding, where `stop_on="critical"` judging '
+        "every step stops the run; `half-way` the step where the trainer's own accuracy had "
+        f"fallen half-way to its final level (a fall of at least {MIN_FALL}; — without one).",
+        "",
         "| run | fault (from step) | sink | named (whole run) | first warn | first critical | "
-        "delay warn / critical |",
-        "|---|---|---|---|---|---|---|",
+        "delay warn / critical | stop | half-way |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for j in faults:
-        firsts = [j.first[i] for i in j.run.expect if i in j.first]
-        warn = min((w for w, _ in firsts), default=None)
-        critical = min((c for _, c in firsts if c is not None), default=None)
+        firsts = sorted((w, i) for i in j.run.expect if i in j.first for w in [j.first[i][0]])
+        warn = firsts[0][0] if firsts else None
+        critical = min(
+            (c for i in j.run.expect if i in j.first and (c := j.first[i][1]) is not None),
+            default=None,
+        )
         named = ", ".join(_named(j)) or ("**reader failed**: " + j.error if j.error else "**no**")
+        stop = f"{j.stop[0]} (`{j.stop[1]}`)" if j.stop else "—"
+        half = halfway(j.run, trainer_pass_at_1(j.run, corpus))
         lines.append(
             f"| {j.run.name} | {j.run.fault} ({j.run.fault_start}) | {j.sink.name} | {named} | "
-            f"{warn or '—'} | {critical or '—'} | {_delay(warn, j.run.fault_start)} / "
-            f"{_delay(critical, j.run.fault_start)} |"
+            + (f"{warn} (`{firsts[0][1]}`)" if firsts else "—")
+            + f" | {critical or '—'} | {_delay(warn, j.run.fault_start)} / "
+            f"{_delay(critical, j.run.fault_start)} | {stop} | {half or '—'} |"
         )
 
     lines += ["", "### Findings: recall and detection delay", ""]

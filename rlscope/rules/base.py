@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +190,125 @@ def pass_at_1_trend(
     return compare_windows(series, fraction, first)
 
 
+#: Steps before a fall's first step that are its reference level (the run's level so far).
+REFERENCE_STEPS = 10
+#: Last steps of a fall that say whether it lasts.
+RECENT_STEPS = 3
+
+
+@dataclass(frozen=True)
+class Fall:
+    """A fall of a per-step mean below the run's own level, sure by a sequential test."""
+
+    began: int  # the first step of the fall
+    sure: int  # the step at which the test became sure of it
+    before: float  # the reference level (pooled over the steps before `began`)
+    reference: tuple[int, int]  # the reference's first and last step
+    after: float  # the level since `began` (pooled)
+    shift: float  # the fall the test that crossed was tuned to
+    threshold: float  # its log-likelihood-ratio threshold
+
+
+#: Starts of a fall within this many steps from a change of a setting share half the test's
+#: false-alarm budget (`sequential_fall`'s `primed`).
+PRIMED_STEPS = 10
+
+
+def fall_threshold(j: int, step: int, primed: Sequence[int], alpha: float, tests: int) -> float:
+    """The log-likelihood-ratio threshold of a fall starting at the j-th judged step (`step`):
+    half of `alpha` is spent over every start (1/(2j(j + 1)) of it to the j-th), the other half
+    over the PRIMED_STEPS + 1 steps from each step in `primed` (1/(2c(c + 1)) of it to the c-th),
+    so the budget sums to at most `alpha` over a run of any length, each share decided before
+    the fall's own data, and a fall right after a change of what drives the update is sure
+    sooner; `tests` (one per shift) share each start's budget."""
+    share = 1 / (2 * j * (j + 1))
+    for c, at in enumerate(primed, 1):
+        if at <= step <= at + PRIMED_STEPS:
+            share += 1 / (2 * c * (c + 1) * (PRIMED_STEPS + 1))
+    return math.log(tests / (alpha * share))
+
+
+def sequential_fall(
+    frame: pl.DataFrame,
+    units: str,
+    sum_sq: str,
+    alpha: float,
+    shifts: Sequence[float],
+    primed: Sequence[int] = (),
+) -> Fall | None:
+    """A sustained fall of a per-step mean of per-unit values (`value`: the mean over the
+    step's `units`, `sum_sq`: Σ value²; pass@1's groups) below the run's own level, judged step
+    by step by a sequential likelihood-ratio test for each fall δ in `shifts`. While no fall
+    is under way the reference is the pooled mean of the last REFERENCE_STEPS steps; a fall
+    starts at the first step below it and keeps that reference until its statistic returns
+    to 0 (as in Page's CUSUM). The statistic is the log of the likelihood ratio of the steps
+    since the start, a level δ below the reference against the reference's level, with the
+    reference's own sampling error s² integrated out (it is shared by every step compared with
+    it): for steps of variance σᵢ² (weights wᵢ = 1/σᵢ², W = Σwᵢ, Y = Σwᵢ(reference − meanᵢ)),
+    (δY − δ²W/2)/(1 + s²W), so a long fall is judged against how well the reference is known,
+    not only against each step's noise. A step's variance is its units' spread over their
+    number (never below the reference's per-unit spread, widened for a reference of few
+    units) and never below the reference's step-to-step noise (units that are not
+    independent, a steps-only log's responses of one prompt, show there). A likelihood ratio
+    is a martingale under its null, so by Ville's inequality the test from a start crosses its
+    threshold (`fall_threshold`: the start's share of `alpha`, more for starts within
+    PRIMED_STEPS of a step in `primed`, where a setting changed) with at most that
+    probability: summed over every start and shift, a run of any length raises a false alarm
+    with probability at most `alpha`, however many prefixes are judged (the sampling model
+    holding: a level that does not fall, steps independent given it). The fall is reported
+    while it lasts: its last RECENT_STEPS steps still below the reference by δ/2 and by twice
+    their standard error (a run that recovered has none)."""
+    rows = frame.filter(pl.col("value").is_not_null() & (pl.col(units) > 0)).sort("step")
+    if rows.height < 2:
+        return None
+    steps = rows["step"].cast(pl.Int64).to_numpy()
+    mean = rows["value"].cast(pl.Float64).to_numpy()
+    count = rows[units].cast(pl.Float64).to_numpy()
+    squares = rows[sum_sq].cast(pl.Float64).to_numpy()
+    # per-unit variance of each step around its own mean (n − 1); NaN for a single unit
+    spread = np.where(
+        count > 1, (squares - count * mean**2) / np.maximum(count - 1, 1), np.nan
+    ).clip(0.0)
+    found: list[Fall] = []
+    for shift in shifts:
+        statistic, start, crossed, threshold = 0.0, 0, None, math.inf
+        ref_mean = ref_var = ref_se2 = noise2 = weights = weighted = 0.0
+        for i in range(1, len(mean)):
+            if statistic <= 0.0:
+                start, crossed, weights, weighted = i, None, 0.0, 0.0
+                lo = max(0, i - REFERENCE_STEPS)
+                total = float(count[lo:i].sum())
+                ref_mean = float((mean[lo:i] * count[lo:i]).sum() / total)
+                # the units' spread around the reference, over every reference step
+                around = float((squares[lo:i] - 2 * ref_mean * mean[lo:i] * count[lo:i]).sum())
+                ref_var = max(around / total + ref_mean**2, 0.0) * total / max(total - 1, 1)
+                ref_var *= 1 + 2 / max(total - 1, 1)  # a variance of few units is itself unsure
+                noise2 = step_noise(mean[lo:i]) ** 2
+                ref_se2 = max(ref_var / total, noise2 / (i - lo))
+                threshold = fall_threshold(i, int(steps[i]), primed, alpha, len(shifts))
+            unit_var = max(ref_var, 0.0 if np.isnan(spread[i]) else float(spread[i]))
+            variance = max(unit_var / count[i], noise2)
+            if variance <= 0 and ref_se2 <= 0:
+                statistic = 0.0
+                continue
+            weight = 1 / max(variance, 1e-12)
+            weights += weight
+            weighted += weight * (ref_mean - mean[i])
+            statistic = (shift * weighted - shift**2 * weights / 2) / (1 + ref_se2 * weights)
+            if crossed is None and statistic >= threshold:
+                crossed = i
+        recent = slice(max(start, len(mean) - RECENT_STEPS), len(mean))
+        level = float((mean[recent] * count[recent]).sum() / count[recent].sum())
+        noise = 2 * math.sqrt(ref_var / count[recent].sum() + ref_se2)
+        if crossed is not None and statistic > 0.0 and level < ref_mean - max(shift / 2, noise):
+            after = float((mean[start:] * count[start:]).sum() / count[start:].sum())
+            lo = max(0, start - REFERENCE_STEPS)
+            reference = (int(steps[lo]), int(steps[start - 1]))
+            began, sure = int(steps[start]), int(steps[crossed])
+            found.append(Fall(began, sure, ref_mean, reference, after, shift, threshold))
+    return min(found, key=lambda f: (f.sure, f.began), default=None)
+
+
 def halfway_step(series: Series, start: float, end: float) -> int:
     """The first step after the first at which a series that moved from level `start` to level
     `end` is past half-way, judged on a centred median of 3 steps (one noisy step does not
@@ -201,13 +320,19 @@ def halfway_step(series: Series, start: float, end: float) -> int:
     return int(series.steps[hits[0] + 1] if len(hits) else series.steps[-1])
 
 
-#: The optimisation's own settings and responses whose change at a step can explain what broke
-#: there (quoted by a finding as what changed where it began), with how they are named.
-DRIVERS = {
+#: The optimisation's own settings and responses, as findings name them.
+UPDATE_NAMES = {
     "stability.lr": "learning rate",
+    "stability.critic_lr": "critic learning rate",
     "stability.kl": "KL to the reference",
     "stability.grad_norm": "gradient norm",
+    "stability.clip_frac": "clip fraction",
+    "behavior.entropy": "token entropy",
+    "behavior.response_len": "response length",
 }
+#: Those whose change at a step can explain what broke there (quoted by a finding as what
+#: changed where it began).
+DRIVERS = {m: UPDATE_NAMES[m] for m in ("stability.lr", "stability.kl", "stability.grad_norm")}
 #: A driver changed at a step when its level after is at least this many times its level
 #: before (or at most its inverse), and apart by more than its step-to-step noise.
 DRIVER_RATIO = 2.0
@@ -236,6 +361,124 @@ def changed_at(ctx: RuleContext, step: int) -> dict[str, tuple[float, float]]:
         if ratio >= DRIVER_RATIO and abs(b - a) > 2 * step_noise(earlier):
             changed[metric_id] = (a, b)
     return changed
+
+
+#: Settings whose step up can break the policy (or its critic), as logged.
+SETTINGS = ("stability.lr", "stability.critic_lr")
+#: A setting changed when it reaches this many times its highest value so far...
+SETTING_RATIO = 2.0
+#: ...by a step this many times larger than its schedule's own recent steps (a warm-up's).
+SCHEDULE_STEP_RATIO = 3.0
+
+
+@dataclass(frozen=True)
+class Change:
+    """A step change of a series at `step`: its level `before` and `after` it."""
+
+    metric: str
+    step: int
+    before: float
+    after: float
+    until: int  # the last step `after` was measured over
+
+    @property
+    def factor(self) -> float:
+        return self.after / self.before if self.before > 0 else math.inf
+
+
+def setting_jumps(series: Series, metric: str) -> list[Change]:
+    """The steps where a logged setting (a learning rate) jumped up outside its schedule: to at
+    least SETTING_RATIO times its highest value so far, by a step at least SCHEDULE_STEP_RATIO
+    times the largest of the schedule's last 3 steps. A linear or exponential warm-up moves by
+    steps like its previous ones, a cosine or step decay goes down, a warm restart returns to
+    a level the run had; none is a jump. Judged from the third logged value (the first two
+    give the schedule's first step)."""
+    values, steps = series.values, series.steps
+    jumps = []
+    for i in range(2, len(values)):
+        highest = float(values[:i].max())
+        step_size = float(values[i] - values[i - 1])
+        schedule = float(np.abs(np.diff(values[max(0, i - 3) : i])).max())
+        if values[i] >= SETTING_RATIO * highest and step_size > SCHEDULE_STEP_RATIO * schedule:
+            jumps.append(
+                Change(metric, int(steps[i]), float(values[i - 1]), float(values[i]), int(steps[i]))
+            )
+    return jumps
+
+
+@dataclass(frozen=True)
+class Response:
+    """How a response of the optimisation changes when an update broke: the least factor of a
+    sustained shift that counts, whether only a rise counts, the least level it must reach."""
+
+    factor: float
+    up_only: bool = False
+    floor: float = 0.0
+
+
+#: Responses of the optimisation whose sustained step change is a finding by itself. The
+#: factors are beyond the largest sustained shift of the genuine healthy runs (tests/genuine,
+#: the scorecard's twins): ×5.5 for the KL (a PPO loop's first steps), ×1.4 for the token
+#: entropy, ×1.05 for the response length. A KL or clip fraction that falls breaks nothing,
+#: and one that stays small (under 0.1 nats/token, 5% of tokens) has not broken it either. The
+#: gradient norm is quoted, never judged alone: healthy Dr. GRPO runs shift it ×8 for several
+#: steps (unnormalised advantages scale it with the groups' reward spread).
+RESPONSES = {
+    "stability.kl": Response(10.0, up_only=True, floor=0.1),
+    "stability.clip_frac": Response(3.0, up_only=True, floor=0.05),
+    "behavior.entropy": Response(2.0),
+    "behavior.response_len": Response(1.5),
+}
+#: Steps before a candidate change that give the level it changed from, and steps after it.
+SHIFT_BEFORE, SHIFT_AFTER = 10, 3
+
+
+def level_shifts(series: Series, metric: str, response: Response, z: float) -> list[Change]:
+    """Sustained step changes of a positive series: the median of SHIFT_AFTER steps from a step
+    at least `response.factor` times (or, unless only a rise counts, at most its inverse) the
+    median of the SHIFT_BEFORE steps before it and at least the response's floor, on a log
+    scale beyond `z` times the before-window's own noise (the larger of its robust spread and
+    its step-to-step noise; a median of 3 is not moved by one spike). Judged only against a
+    settled level: the before-window's halves within ×2 of each other (a KL still growing from
+    0 at a run's start has no level to change from). The first step past the middle of each
+    stretch of such steps."""
+    values, steps = series.values, series.steps
+    positive = values[values > 0]
+    if len(values) < SHIFT_BEFORE + SHIFT_AFTER or not len(positive):
+        return []
+    logs = np.log10(np.maximum(values, float(np.quantile(positive, 0.05))))
+    shifts: list[Change] = []
+    for i in range(SHIFT_BEFORE, len(values) - SHIFT_AFTER + 1):
+        before, after = logs[i - SHIFT_BEFORE : i], logs[i : i + SHIFT_AFTER]
+        half = SHIFT_BEFORE // 2
+        if abs(np.median(before[half:]) - np.median(before[:half])) >= math.log10(2):
+            continue
+        spread = 1.4826 * float(np.median(np.abs(before - np.median(before))))
+        noise = max(spread, step_noise(before), 1e-12)
+        delta = float(np.median(after) - np.median(before))
+        # the standard error of a difference of medians (π/2 × a mean's variance)
+        se = noise * math.sqrt(math.pi / 2 * (1 / SHIFT_AFTER + 1 / SHIFT_BEFORE))
+        big = delta >= math.log10(response.factor) or (
+            not response.up_only and -delta >= math.log10(response.factor)
+        )
+        reached = 10 ** float(np.median(after)) >= response.floor
+        if big and reached and abs(delta) >= z * se:
+            if shifts and shifts[-1].until >= int(steps[i]) - 1:
+                continue  # the same change, seen from the next step
+            # the first step past the middle: a median of 3 moves a step before the change
+            middle = (np.median(before) + np.median(after)) / 2
+            past = (after > middle) if delta > 0 else (after < middle)
+            at = i + int(np.argmax(past))
+            shifts.append(
+                Change(
+                    metric,
+                    int(steps[at]),
+                    float(10 ** np.median(before)),
+                    float(10 ** np.median(after)),
+                    int(steps[min(at + SHIFT_AFTER, len(steps)) - 1]),
+                )
+            )
+    return shifts
 
 
 def _var(x: np.ndarray) -> float:

@@ -10,8 +10,10 @@ import polars as pl
 
 from rlscope.rules.base import (
     LEVEL_NOTE,
+    MIN_EVIDENCE_POINTS,
     MIN_TREND_STEPS,
     RuleContext,
+    Series,
     compare_windows,
     example_ids,
     final_level,
@@ -21,8 +23,8 @@ from rlscope.rules.base import (
     pooled_corr,
     rolling_median,
 )
-from rlscope.spec import Declarations, Finding, Param
-from rlscope.windows import window_size
+from rlscope.spec import Declarations, Finding, Param, Severity
+from rlscope.windows import MIN_STEPS, window_size
 
 #: This layer's findings, in order (collected by rlscope.catalog).
 DECLARED = Declarations()
@@ -219,14 +221,27 @@ def _level_rule(
     complement: bool = False,
     examples: Callable[[pl.DataFrame], list[int]] | None = None,
     excused: float = 0.0,
+    learnt: bool = False,
 ) -> Iterator[Finding]:
     """A final-window level against `warn_at`/`critical_at` (of 1 - value with `complement`),
     less the share `excused` that another finding explains; `examples` picks rollout ids from
-    the per-rollout rows of the final window."""
+    the per-rollout rows of the final window. With `learnt`, a warning level that is falling
+    significantly since the run's start (the policy is being taught out of it) is `info`."""
     found = final_level(ctx, metric_id, complement=complement, excused=excused)
     if found is None:
         return
     series = found.series
+    severity: Severity = found.severity
+    falling = ""
+    if learnt and severity == "warn" and len(series) >= MIN_EVIDENCE_POINTS:
+        shares = Series(series.steps, 1 - series.values if complement else series.values)
+        trend = compare_windows(shares, first=MIN_STEPS)
+        if trend.falling(2.0):
+            severity = "info"
+            falling = (
+                f"; down from {pct(trend.first)} over steps {trend.first_steps[0]}–"
+                f"{trend.first_steps[1]} (z = {trend.z:.1f}): the policy is learning it, to watch"
+            )
     evidence = {}
     rows = ctx.rollout_rows()
     if examples is not None and rows is not None:
@@ -235,13 +250,14 @@ def _level_rule(
         evidence["rollout_ids"] = examples(recent)
     yield ctx.finding(
         f"{pct(found.level)} of {what} over the last steps"
+        + falling
         + (
             f"; e.g. rollouts {', '.join(map(str, evidence['rollout_ids']))}"
             if evidence.get("rollout_ids")
             else ""
         )
         + ".",
-        severity=found.severity,
+        severity=severity,
         final_value=found.value,
         steps=[int(series.steps[-1])],
         **evidence,
@@ -347,8 +363,10 @@ def tool_call_instability(ctx: RuleContext) -> Iterator[Finding]:
     "give its answer: that is truncation's finding, so the share judged here is the "
     "violations beyond the final-window truncation rate (behavior.truncation_rate, recomputed "
     "or as the trainer logged it) when it is known. Answers may be tagged (`<answer>`) or an "
-    "untagged final line after the last tag (`Answer: X` as DAPO / R1, `#### N` as GSM8K)."
-    + LEVEL_NOTE,
+    "untagged final line after the last tag (`Answer: X` as DAPO / R1, `#### N` as GSM8K). "
+    "A share that is falling significantly from the run's first 3 steps (z ≥ 2) is `info`: "
+    "the policy is being taught the format (a genuine TRL run starts at 15% and is at 2% by "
+    "step 30)." + LEVEL_NOTE,
     remedy="open the listed rollouts (`rlscope show RUN ID`); add or raise a format reward; "
     "check the chat template and stop tokens; check [tags] matches the model's tags.",
     metrics=("behavior.format_ok", "behavior.truncation_rate"),
@@ -368,6 +386,7 @@ def format_violations(ctx: RuleContext) -> Iterator[Finding]:
         examples=lambda rows: example_ids(
             rows, pl.col("tagged").is_not_null() & ~pl.col("format_ok")
         ),
+        learnt=True,
     )
 
 

@@ -9,11 +9,18 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from rlscope.metrics.signal import REWARD_EXTREMES
+from rlscope.metrics.signal import ACC_SQ, REWARD_EXTREMES
 from rlscope.metrics.stability import VALUE_LOSS_COLUMNS
 from rlscope.rules.base import (
+    DRIVER_RATIO,
     DRIVERS,
     MIN_TREND_STEPS,
+    RESPONSES,
+    SETTINGS,
+    SHIFT_BEFORE,
+    UPDATE_NAMES,
+    Change,
+    Fall,
     RuleContext,
     Series,
     Windows,
@@ -25,8 +32,11 @@ from rlscope.rules.base import (
     final_steps,
     halfway_step,
     level_severity,
+    level_shifts,
     pass_at_1_trend,
     pct,
+    sequential_fall,
+    setting_jumps,
     step_noise,
 )
 from rlscope.spec import Declarations, Explained, Finding, Param, Severity
@@ -123,8 +133,14 @@ def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
     "gets better is learning's drift (as kl-stalled reads a KL of ~0 by the same progress), "
     "an `info` to watch; one that accelerates with nothing to show for it is drift, or a "
     "reward the policy games. The genuine PPO loop's healthy runs (3 seeds) accelerate at "
-    "many prefixes while their score rises 0.5 → 0.88. Only the level can say the run is "
-    "already broken: critical from `critical_level`, improving or not.",
+    "many prefixes while their score rises 0.5 → 0.88. Likewise while the learning rate "
+    "warms up by its schedule (its last third ×1.5 its first, no jump outside the schedule): "
+    "each step is larger than the last, so the drift accelerates by design (a genuine TRL run "
+    "with 10 warm-up steps: KL 0.01 → 0.6 over steps 10–17, then back to 0.07). The last "
+    "third's level must be surely past `min_level` (its mean less two standard errors): a k1 "
+    "KL of 0.02 that scatters by as much, negative at some steps, has no shape yet. Only the "
+    "level can say the run is already broken: critical from `critical_level`, improving or "
+    "not.",
     remedy="raise the KL coefficient (β) or add a KL loss; lower the learning rate; check the "
     "reward for hacking (inspect the highest-reward rollouts of the last steps).",
     explains={"performance-regression": DRIFT_EXPLAINS_COLLAPSE},
@@ -153,9 +169,12 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
     rise_mid, rise_last = k2 - k1, k3 - k2
     accelerating = rise_last >= p["accel_ratio"] * max(rise_mid, 0.0)
     noise = step_noise(kl.values) ** 2
-    se = math.sqrt(sum(max(float(np.var(t, ddof=1)), noise) / len(t) for t in thirds[1:]))
-    beyond_noise = rise_last > p["z"] * se
-    if k3 >= p["growth_ratio"] * k2 and accelerating and beyond_noise:
+    ses = [math.sqrt(max(float(np.var(t, ddof=1)), noise) / len(t)) for t in thirds]
+    beyond_noise = rise_last > p["z"] * math.hypot(ses[1], ses[2])
+    # the last third's level must be surely past min_level, not merely its mean: a k1 KL of
+    # 0.02 whose steps scatter by as much (and go negative) has no shape yet
+    sure_level = k3 - 2 * ses[2] >= p["min_level"]
+    if k3 >= p["growth_ratio"] * k2 and accelerating and beyond_noise and sure_level:
         accuracy = ctx.series("signal.pass_at_1")
         progress = accuracy or ctx.series("signal.reward")
         trend = (pass_at_1_trend(ctx) if accuracy is not None else None) or (
@@ -167,6 +186,7 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
             f"KL is accelerating: mean {k1:.3g} → {k2:.3g} → {k3:.3g} nats/token over the three "
             f"thirds of the run (×{k3 / k2:.1f} in the last third)"
         )
+        warming = _lr_warming_up(ctx, kl)
         if improving and severity == "warn":
             assert trend is not None
             severity = "info"
@@ -175,13 +195,39 @@ def kl_runaway(ctx: RuleContext) -> Iterator[Finding]:
                 f"{trend.first:.3g} → {trend.last:.3g} (z = {trend.z:.1f}): a drift that buys "
                 "progress, to watch"
             )
+        elif warming is not None and severity == "warn":
+            severity = "info"
+            message += (
+                f", while the learning rate warmed up ×{warming:.2g} by its schedule: the "
+                "drift accelerates because the steps grow, to watch"
+            )
         yield ctx.finding(
             message + ".",
             severity=severity,
+            warming_up=warming is not None,
             thirds=[k1, k2, k3],
             improving=improving,
             steps=[int(kl.steps[0]), int(kl.steps[-1])],
         )
+
+
+#: A learning rate whose last third of a window is this many times its first is warming up.
+WARMUP_RATIO = 1.5
+
+
+def _lr_warming_up(ctx: RuleContext, over: Series) -> float | None:
+    """The factor by which the logged learning rate rose from the first to the last third of
+    `over`'s steps by its schedule (no jump outside it: rules.base.setting_jumps), when at
+    least WARMUP_RATIO; else None."""
+    lr = ctx.series("stability.lr")
+    if lr is None or setting_jumps(lr, "stability.lr"):
+        return None
+    thirds = np.array_split(over.steps, 3)
+    means = [lr.values[(lr.steps >= t[0]) & (lr.steps <= t[-1])] for t in (thirds[0], thirds[2])]
+    if not all(len(m) for m in means) or means[0].mean() <= 0:
+        return None
+    factor = float(means[1].mean() / means[0].mean())
+    return factor if factor >= WARMUP_RATIO else None
 
 
 @DECLARED.rule(
@@ -568,7 +614,8 @@ def _low_entropy_high_clip(ctx: RuleContext) -> tuple[float, float, float, int] 
     "pg_clipfrac, TRL clip_ratio/region_mean), so a sixth of all tokens means the policy moves "
     "far within one batch (learning rate, too many mini-batches or epochs per batch, stale "
     "rollouts in async training) and most of the batch's gradient is discarded. A share over "
-    "thousands of tokens a step has negligible sampling error at any batch size. When entropy "
+    "thousands of tokens a step has negligible sampling error at any batch size, so it is "
+    "judged from the first step. When entropy "
     "is also low, entropy-clip-conflict (critical) says it and this stays silent.",
     remedy="lower the learning rate; fewer PPO epochs or mini-batches per batch; check for "
     "stale (off-policy) rollouts; check that old_logprob is the behaviour policy's.",
@@ -576,7 +623,7 @@ def _low_entropy_high_clip(ctx: RuleContext) -> tuple[float, float, float, int] 
     params={
         "warn_at": Param(0.15, "final-window clip fraction for a warning"),
         "critical_at": Param(0.3, "final-window clip fraction for a critical finding"),
-        "min_steps": Param(3, "fewest steps to judge"),
+        "min_steps": Param(1, "fewest steps to judge"),
     },
 )
 def clip_too_high(ctx: RuleContext) -> Iterator[Finding]:
@@ -662,11 +709,16 @@ def clip_too_low(ctx: RuleContext) -> Iterator[Finding]:
     "than the run, a decay that reaches 0 before the last step, or lr = 0 in the config. The "
     "rate is logged, not estimated, so there is no sampling error; a schedule that decays to 0 "
     "only at its very last step leaves the rest of the window above 0 and stays silent, at any "
-    "run length.",
+    "run length. Judged from the second step: transformers' linear warm-up logs 0 at its first "
+    "step and a rate above 0 at the next, so two steps at 0 are sure.",
     remedy="check the scheduler (warmup steps vs total steps, decay end) and the configured "
     "learning rate; check that the logged rate is the policy optimizer's.",
     metrics=("stability.lr",),
-    params={"min_steps": Param(3, "fewest steps to judge")},
+    params={
+        "min_steps": Param(
+            2, "fewest steps to judge (a linear warm-up logs 0 at its first step only)"
+        )
+    },
 )
 def lr_zero(ctx: RuleContext) -> Iterator[Finding]:
     lr = ctx.series("stability.lr")
@@ -773,12 +825,27 @@ COLLAPSE_EXPLAINS = {
 @DECLARED.rule(
     "performance-regression",
     brief=(
-        "critical: pass@1 (else reward) falls ≥ 0.03, z ≤ −3, from the first tenth or from the "
-        "run's first step to the last tenth; names the step it began and what changed there"
+        "critical: pass@1 falls below the run's own level, sure by a sequential test (a "
+        "healthy run raises it with probability < alpha = 1%), or pass@1 (else reward) falls "
+        "≥ 0.03, z ≤ −3, first to last tenth; names the step it began and what changed there"
     ),
     layer="L1",
     title="The policy got worse at its task",
-    doc="pass@1 (or, without correctness, the mean reward) fell to the last tenth of the run by "
+    doc="Two tests, the first that holds. (1) Step by step, a sequential test of pass@1 "
+    "against the run's own level so far (rules.base.sequential_fall: the pooled level of the "
+    "10 steps before a fall begins, each step's error from its prompt groups' spread, the "
+    "reference's own error included): a fall is sure when the log-likelihood ratio of a level "
+    "0.05, 0.15 or 0.3 lower crosses a threshold from the fall's start's share of `alpha`. "
+    "The shares sum to `alpha` over every start, shift and prefix, so a healthy run of any "
+    "length raises it with probability at most `alpha` (1%) under the sampling model (a level "
+    "that does not fall; a run whose accuracy rises is further from a false alarm); half of "
+    "`alpha` goes to the 11 steps from each jump of a learning rate outside its schedule "
+    "(update-change), so a fall right after one is sure sooner. A policy broken by its first "
+    "update is sure at step 2 (one step of 8 prompts measures its level), a collapse after a "
+    "jump within 1–3 steps of its start; a steps-only log (TensorBoard, MLflow) counts its "
+    "responses as units and is never judged on less than its own step-to-step noise. The fall "
+    "is reported while it lasts. (2) pass@1 (or, without correctness, the mean reward) fell "
+    "to the last tenth of the run by "
     "at least `min_fall` (pass@1, absolute) and significantly (z <= -`z`), from the first "
     "tenth or from the run's start: its first step, the rollouts of the policy before RL "
     "changed it. The start is judged too because a policy that breaks in its first updates (a"
@@ -807,6 +874,9 @@ COLLAPSE_EXPLAINS = {
         "min_fall": Param(0.03, "pass@1 fall (absolute) that counts"),
         "z": Param(3.0, "z-score of the fall"),
         "min_steps": Param(MIN_TREND_STEPS, "fewest steps to judge"),
+        "alpha": Param(
+            0.01, "sequential test: most probability of a false alarm over a whole healthy run"
+        ),
     },
     severity="critical",
     context=tuple(DRIVERS),
@@ -814,6 +884,10 @@ COLLAPSE_EXPLAINS = {
 )
 def performance_regression(ctx: RuleContext) -> Iterator[Finding]:
     p = ctx.params
+    fall = _sequential_fall(ctx)
+    if fall is not None:
+        yield _sequential_finding(ctx, fall)
+        return
     accuracy = ctx.series("signal.pass_at_1")
     measure = accuracy or ctx.series("signal.reward")
     name = "pass@1" if accuracy is not None else "mean reward"
@@ -843,11 +917,10 @@ def performance_regression(ctx: RuleContext) -> Iterator[Finding]:
         + (f"at step {span[0]}" if span[0] == span[1] else f"over steps {span[0]}–{span[1]}")
         + (", the run's start," if start else "")
     )
-    said = " and ".join(f"the {DRIVERS[m]} went {a:.2g} → {b:.2g}" for m, (a, b) in changes.items())
     yield ctx.finding(
         f"{name} {'collapsed' if start else 'fell'} {where} to {trend.last:.3g} over steps "
         f"{trend.last_steps[0]}–{trend.last_steps[1]} (z = {trend.z:.1f}); it fell past half-way "
-        f"at step {began}" + (f", where {said}." if said else "."),
+        f"at step {began}" + _what_changed(changes),
         first=trend.first,
         last=trend.last,
         measure=name,
@@ -856,6 +929,172 @@ def performance_regression(ctx: RuleContext) -> Iterator[Finding]:
         changed={m: list(v) for m, v in changes.items()},
         steps=[trend.first_steps[0], trend.last_steps[1]],
     )
+
+
+#: The falls of pass@1 (absolute) the sequential test is tuned to: a fall of any size is
+#: detected by one of them about as soon as by the best single test (at the cost of a
+#: threshold log(3) higher).
+FALL_SHIFTS = (0.05, 0.15, 0.3)
+
+
+def _sequential_fall(ctx: RuleContext) -> Fall | None:
+    """pass@1's fall below the run's own level, sure by the sequential test (rules.base
+    .sequential_fall) at the rule's `alpha`, where its frame carries the prompt groups."""
+    frame = ctx.frame("signal.pass_at_1")
+    if frame is None or not {"groups", ACC_SQ} <= set(frame.columns):
+        return None
+    primed = sorted(c.step for c in _setting_jumps(ctx))
+    fall = sequential_fall(frame, "groups", ACC_SQ, ctx.params["alpha"], FALL_SHIFTS, primed)
+    if fall is None or fall.before - fall.after < ctx.params["min_fall"]:
+        return None
+    return fall
+
+
+def _sequential_finding(ctx: RuleContext, fall: Fall) -> Finding:
+    changes = changed_at(ctx, fall.began)
+    ref = fall.reference
+    where = f"step {ref[0]}" if ref[0] == ref[1] else f"steps {ref[0]}–{ref[1]}"
+    return ctx.finding(
+        f"pass@1 fell from {fall.before:.3g} ({where}) to {fall.after:.3g} from step "
+        f"{fall.began} on, sure at step {fall.sure} (a sequential test against the run's own "
+        f"level: a healthy run raises it with probability under {pct(ctx.params['alpha'])})"
+        + _what_changed(changes),
+        first=fall.before,
+        last=fall.after,
+        measure="pass@1",
+        baseline="level so far",
+        began=fall.began,
+        sure=fall.sure,
+        changed={m: list(v) for m, v in changes.items()},
+        steps=[ref[0], fall.sure],
+    )
+
+
+def _setting_jumps(ctx: RuleContext) -> list[Change]:
+    """Every logged setting's jumps outside its schedule (rules.base.setting_jumps)."""
+    jumps = []
+    for metric_id in SETTINGS:
+        series = ctx.series(metric_id)
+        if series is not None:
+            jumps += setting_jumps(series, metric_id)
+    return sorted(jumps, key=lambda c: (c.step, c.metric))
+
+
+#: A change of what drives the update explains what broke after it.
+CHANGE_EXPLAINS = {
+    rule: Explained(mechanism)
+    for rule, mechanism in (
+        ("performance-regression", "the update changed first; the task outcome fell after it"),
+        ("kl-high", "a larger step moves the policy further from its reference"),
+        ("kl-runaway", "a larger step moves the policy further from its reference"),
+        ("grad-spike", "a policy knocked off its course gives larger, rarer gradients"),
+        ("divergence", "a step far too large can overflow the loss or its gradient"),
+        ("entropy-collapse", "a larger step sharpens the policy faster"),
+        ("value-divergence", "a critic stepping far too far loses its fit of the returns"),
+        ("critic-not-learning", "a critic stepping far too far loses its fit of the returns"),
+    )
+}
+
+
+@DECLARED.rule(
+    "update-change",
+    brief="a learning rate jumps outside its schedule, or the KL, clip fraction, entropy or "
+    "length shift step-wise beyond their noise; names the step and the factor",
+    layer="L1",
+    title="What drives the update changed at a step",
+    doc="A step change in what drives the policy update, named at the step it happened, before "
+    "the task outcome shows it. (1) A logged learning rate (stability.lr, or the critic's, "
+    "stability.critic_lr) that jumps outside its schedule: to at least ×2 its highest value so "
+    "far, by a step at least 3 times the schedule's last steps (rules.base.setting_jumps). A "
+    "linear or exponential warm-up moves by steps like its previous ones, a cosine, linear or "
+    "step decay goes down and a warm restart returns to a level the run had: none is a change. "
+    "The learning rate is logged, not estimated: a jump is sure at the step it is logged. (2) A "
+    "sustained step change of a response of the optimisation against its own settled level: "
+    "the median of the 3 steps from a step against the median of the 10 before, on a log "
+    "scale, at least `z` times the 10 steps' own noise and at least a factor that no genuine "
+    "healthy run reaches (rules.base.RESPONSES: a KL rising ×10 to 0.1 nats/token or more, a "
+    "clip fraction rising ×3 to 5% or more, the token entropy ×2 and the response length ×1.5 "
+    "either way); a falling KL or clip fraction breaks nothing. A KL growing from 0 in a run's "
+    "first steps has no settled level (the 10 steps' halves differ by ×2 or more); a DAPO "
+    "run's length growth is gradual; a single spike does not move a median of 3. The gradient "
+    "norm is quoted, not judged alone: healthy Dr. GRPO runs shift it ×8 for several steps. "
+    "What moved with the change (the KL, gradient norm, clip fraction, entropy, length ×2 or "
+    "more over its 3 steps) is quoted. Found by the seed's L1 question (is the optimisation "
+    "working) asked at each step: a learning rate ×10 from a mistyped resume, a scheduler "
+    "restarted at the wrong step, a KL coefficient dropped by a config change. The collapse "
+    "it causes (performance-regression, kl-high, ...) is filed under it.",
+    remedy="check what changed at that step (the scheduler, a resume from a checkpoint with "
+    "another config, the optimizer state); resume from the checkpoint before it with the "
+    "intended settings.",
+    metrics=(*SETTINGS, *RESPONSES),
+    params={"z": Param(5.0, "z-score of a response's shift against its own noise (log scale)")},
+    context=("stability.grad_norm",),
+    explains=CHANGE_EXPLAINS,
+)
+def update_change(ctx: RuleContext) -> Iterator[Finding]:
+    changes = _setting_jumps(ctx)
+    for metric_id, response in RESPONSES.items():
+        series = ctx.series(metric_id)
+        if series is not None:
+            changes += level_shifts(series, metric_id, response, ctx.params["z"])
+    if not changes:
+        return
+    first = min(changes, key=lambda c: (c.step, c.metric not in SETTINGS, c.metric))
+    quoted = _moved_with(ctx, first)
+    said = "; ".join(f"the {UPDATE_NAMES[c.metric]} {c.before:.2g} → {c.after:.2g}" for c in quoted)
+    if first.metric in SETTINGS:
+        what = (
+            f"The {UPDATE_NAMES[first.metric]} jumped ×{first.factor:.3g} at step {first.step} "
+            f"({first.before:.2g} → {first.after:.2g}), outside its schedule"
+        )
+    else:
+        what = (
+            f"The {UPDATE_NAMES[first.metric]} shifted ×{first.factor:.2g} at step {first.step} "
+            f"({first.before:.2g} → {first.after:.2g}, the median of steps {first.step}–"
+            f"{first.until} against the 10 before), beyond its own noise"
+        )
+    later = [c for c in changes if c is not first and c.metric in SETTINGS]
+    yield ctx.finding(
+        what
+        + (f"; over steps {first.step}–{first.step + 2}: {said}" if said else "")
+        + (f"; later: {', '.join(_jump_text(c) for c in later[:3])}" if later else "")
+        + ".",
+        began=first.step,
+        changed={c.metric: [c.before, c.after] for c in (first, *quoted)},
+        changes=[[c.metric, c.step, c.before, c.after] for c in changes],
+        steps=[first.step, first.until],
+    )
+
+
+def _jump_text(change: Change) -> str:
+    return f"{UPDATE_NAMES[change.metric]} ×{change.factor:.3g} at step {change.step}"
+
+
+def _moved_with(ctx: RuleContext, change: Change) -> list[Change]:
+    """What else moved ×DRIVER_RATIO or more over the change's step and the 2 after (medians,
+    against the 10 steps before)."""
+    moved = []
+    for metric_id in UPDATE_NAMES:
+        series = ctx.series(metric_id)
+        if metric_id == change.metric or metric_id in SETTINGS or series is None:
+            continue
+        steps, values = series.steps, series.values
+        before = values[(steps < change.step) & (steps >= change.step - SHIFT_BEFORE)]
+        after = values[(steps >= change.step) & (steps <= change.step + 2)]
+        if not len(before) or not len(after):
+            continue
+        a, b = float(np.median(before)), float(np.median(after))
+        low, high = sorted((abs(a), abs(b)))
+        if (high / low if low > 0 else math.inf) >= DRIVER_RATIO and high > 0:
+            moved.append(
+                Change(metric_id, change.step, a, b, int(steps[steps <= change.step + 2][-1]))
+            )
+    return moved
+
+
+def _what_changed(changes: Mapping[str, tuple[float, float]]) -> str:
+    said = " and ".join(f"the {DRIVERS[m]} went {a:.2g} → {b:.2g}" for m, (a, b) in changes.items())
+    return f", where {said}." if said else "."
 
 
 LOGGED_METRICS = (

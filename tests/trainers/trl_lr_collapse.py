@@ -53,6 +53,12 @@ Environment (each unset: the runs above):
                 scale_rewards (`group`; `none` for Dr. GRPO) and steps_per_generation (one
                 generation batch of 8 prompts x GRPOConfig's steps_per_generation, trained
                 over that many optimizer steps); unset: TRL's defaults.
+  TRAINER_LR_SCHEDULER_TYPE, TRAINER_WARMUP_STEPS
+                the Trainer's lr schedule (`constant` unless set; `cosine`, `linear`, ...) and
+                its linear warm-up steps (TRL's default 0): a healthy run's scheduled changes
+                of the learning rate. The jump mode's own scheduler ignores them.
+  TRAINER_JUMP_FACTOR
+                mode jump's factor on the learning rate from JUMP_STEP; default 40.
   TRAINER_REPORT_TO
                 the Trainer's report_to, comma-separated (tensorboard, wandb, mlflow); default
                 none, or tensorboard with --judge. Every sink writes under OUT_DIR, offline, and
@@ -102,7 +108,7 @@ SFT_LR = 3e-3
 HEALTHY_LR = 5e-4
 TOO_HIGH_LR = 2e-2
 JUMP_STEP = 25  # mode jump: the first step trained with HEALTHY_LR * JUMP_FACTOR
-JUMP_FACTOR = TOO_HIGH_LR / HEALTHY_LR
+JUMP_FACTOR = float(os.environ.get("TRAINER_JUMP_FACTOR", TOO_HIGH_LR / HEALTHY_LR))
 MODES = ("healthy", "too-high", "jump", "format-only")
 PROMPTS_PER_STEP = 8
 SEED = int(os.environ.get("TRAINER_SEED", "0"))
@@ -112,9 +118,16 @@ BETA = float(os.environ.get("TRAINER_BETA", "0.04"))
 #: GRPOConfig fields passed through when set (TRL's defaults otherwise)
 CONFIG = {
     name: cast(os.environ[f"TRAINER_{name.upper()}"])
-    for name, cast in (("loss_type", str), ("scale_rewards", str), ("steps_per_generation", int))
+    for name, cast in (
+        ("loss_type", str),
+        ("scale_rewards", str),
+        ("steps_per_generation", int),
+        ("lr_scheduler_type", str),
+        ("warmup_steps", int),
+    )
     if f"TRAINER_{name.upper()}" in os.environ
 }
+LR_SCHEDULER_TYPE = CONFIG.pop("lr_scheduler_type", "constant")
 REPORT_TO = sinks.report_to()
 SINK_NAME = "trl_lr_collapse"  # the W&B project and the MLflow experiment
 
@@ -238,7 +251,7 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
             max_completion_length=4,
             max_steps=steps,
             learning_rate=TOO_HIGH_LR if mode == "too-high" else HEALTHY_LR,
-            lr_scheduler_type="constant",
+            lr_scheduler_type=LR_SCHEDULER_TYPE,
             beta=BETA,
             # format-only: the accuracy reward is still computed and logged, with weight 0
             reward_weights=[0.0, 1.0] if mode == "format-only" else None,
