@@ -78,7 +78,12 @@ def _all(report: Report) -> list[str]:
 #: Rules tested on hand-made series (and the real fixtures) rather than a synth scenario.
 HAND_MADE = [
     Path(__file__).parent / name
-    for name in ("test_rules_verdicts.py", "test_mismatch.py", "test_critic.py", "test_sequential.py")
+    for name in (
+        "test_rules_verdicts.py",
+        "test_mismatch.py",
+        "test_critic.py",
+        "test_sequential.py",
+    )
 ]
 
 
