@@ -13,7 +13,7 @@ from rlscope.catalog import Catalog
 from rlscope.config import Config, load_config
 from rlscope.engine import SIZES_LEVEL, Computed, compute
 from rlscope.errors import RlscopeError
-from rlscope.evaluation import evaluate
+from rlscope.evaluation import evaluate, missing_inputs
 from rlscope.reader import Run, open_run
 from rlscope.report import Report, RunInfo
 from rlscope.tokenscan import Mapper
@@ -120,6 +120,7 @@ def analyze(
         notes=tuple(notes),
         judged=evaluation.judged,
         config=config.summary(),
+        inputs_missing=missing_inputs(evaluation.skipped, computed, catalog),
     )
 
 
