@@ -42,8 +42,8 @@ def analyze(
     (incrementally) into the user cache dir, never next to the source, and that run analysed.
     Token files' partial aggregates are cached there too (`use_cache=False`: neither read nor
     written), so re-analysing a growing run reads only its new token files. `mapper` runs the
-    per-file token reduction on another engine (README "Scaling out"); `catalog` the metrics and
-    rules to use (rlscope's own by default).
+    per-file token reduction on another engine (docs/guides/scaling-out.md); `catalog` the
+    metrics and rules to use (rlscope's own by default).
     """
     import_notes: list[str] = []
     if from_format is not None:
