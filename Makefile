@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-all lint format docs samples bench scorecard clean
+.PHONY: demo test test-slow test-all lint format docs docs-serve samples bench scorecard clean
 
 # The test stack (ruff, mypy, pytest, duckdb, dask, ray[client]…); `make demo` needs only rlscope.
 $(STAMP): pyproject.toml
@@ -69,10 +69,25 @@ format: $(STAMP)
 	$(BIN)/ruff format rlscope tests examples benchmarks
 	$(BIN)/ruff check --fix rlscope tests examples benchmarks
 
-# The README's metric and findings tables and rlscope/reference.json, from the catalog and the
-# importers (a test keeps them current).
-docs: $(STAMP)
+# The documentation site (docs/, mkdocs.yml): its generated reference pages, the README's layers
+# table and rlscope/reference.json regenerated from the source (a test in `make test` keeps them
+# current), then the site built into site/, strictly: a broken link or a page missing from the nav
+# fails. MkDocs comes with the `docs` extra, installed here only, so `make test` does not pay for it.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(CORE)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
+
+docs: $(DOCS_STAMP)
 	$(BIN)/python -m rlscope.docs
+	$(MKDOCS) build --strict
+
+# The site at http://127.0.0.1:8000, rebuilt on every change.
+docs-serve: $(DOCS_STAMP)
+	$(BIN)/python -m rlscope.docs
+	$(MKDOCS) serve
 
 # Regenerate the committed sample runs (deterministic).
 samples: $(STAMP)
@@ -100,6 +115,7 @@ bench: $(STAMP) $(TRL_STAMP)
 scorecard: $(STAMP) $(TRL_SINKS)
 	$(BIN)/python benchmarks/scorecard/score.py --python $(CURDIR)/$(TRL_VENV)/bin/python \
 		--out benchmarks/SCORECARD.md
+	$(BIN)/python -m rlscope.docs  # the site's page of the scorecard's tables
 
 clean:
-	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .ruff_cache .scorecard
+	rm -rf $(VENV) $(TRL_VENV) .pytest_cache .ruff_cache .scorecard site

@@ -13,7 +13,7 @@ from rlscope.catalog import Catalog
 from rlscope.config import Config, load_config
 from rlscope.engine import SIZES_LEVEL, Computed, compute
 from rlscope.errors import RlscopeError
-from rlscope.evaluation import evaluate
+from rlscope.evaluation import evaluate, missing_inputs
 from rlscope.reader import Run, open_run
 from rlscope.report import Report, RunInfo
 from rlscope.tokenscan import Mapper
@@ -42,8 +42,8 @@ def analyze(
     (incrementally) into the user cache dir, never next to the source, and that run analysed.
     Token files' partial aggregates are cached there too (`use_cache=False`: neither read nor
     written), so re-analysing a growing run reads only its new token files. `mapper` runs the
-    per-file token reduction on another engine (README "Scaling out"); `catalog` the metrics and
-    rules to use (rlscope's own by default).
+    per-file token reduction on another engine (docs/guides/scaling-out.md); `catalog` the
+    metrics and rules to use (rlscope's own by default).
     """
     import_notes: list[str] = []
     if from_format is not None:
@@ -120,6 +120,7 @@ def analyze(
         notes=tuple(notes),
         judged=evaluation.judged,
         config=config.summary(),
+        inputs_missing=missing_inputs(evaluation.skipped, computed, catalog),
     )
 
 

@@ -864,7 +864,7 @@ def check(
 ) -> None:
     """Gate a run in CI: evaluate metric gates and findings, exit 1 on a breach.
 
-    Gates are data (see README, CI gating): per metric id `min`/`max`, or relative to
+    Gates are data (see docs/guides/ci-gating.md): per metric id `min`/`max`, or relative to
     --baseline `max_drop`/`max_rise` (a fraction of |baseline value|) and
     `max_drop_abs`/`max_rise_abs` (in the metric's units), each with a severity. A gate on an
     unknown metric id, or on a metric the run cannot compute, is a configuration error (2).

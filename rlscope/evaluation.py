@@ -12,9 +12,10 @@ from rlscope._version import __version__
 from rlscope.catalog import Catalog, default_catalog
 from rlscope.config import Config
 from rlscope.engine import Computed, upto
-from rlscope.report import Skipped
+from rlscope.reader import Run
+from rlscope.report import MissingInput, Skipped
 from rlscope.rules.base import RuleContext
-from rlscope.spec import Finding, Metric, Rule, severity_rank
+from rlscope.spec import Finding, Metric, Rule, severity_rank, split_column
 
 #: Prefixes judged on a grid before bisecting (onsets): a rule is judged about
 #: ONSET_GRID + log2(steps / ONSET_GRID) times per finding, whatever the run length.
@@ -237,3 +238,99 @@ def file_causes(findings: Sequence[Finding], rules: Mapping[str, Rule]) -> list[
         if all(o is not finding for o in ordered):
             place(finding)
     return ordered
+
+
+#: How a table the run lacks is named in `MissingInput.needs`.
+TABLE_NEEDS = {
+    "steps": "a steps table",
+    "rollouts": "a rollouts table",
+    "tokens": "a tokens table",
+    "probes": "a probes table (`rlscope probe`)",
+}
+
+
+def missing_inputs(
+    skipped: Sequence[Skipped], computed: Computed, catalog: Catalog | None = None
+) -> tuple[MissingInput, ...]:
+    """The findings skipped for want of inputs, grouped by the input that would let each be
+    judged: the fewest inputs that feed one of its metrics, chosen greedily so that one input
+    (a tokens table) covers as many findings as it can. A finding no missing input would
+    enable (its metrics were not asked for, or came out empty) keeps its reason."""
+    catalog = catalog or default_catalog()
+    run = computed.context.run
+    options: dict[str, list[frozenset[str]]] = {}
+    reasons: dict[str, list[str]] = {}
+    for skip in skipped:
+        rule = catalog.rules.get(skip.metric)
+        if skip.kind != "finding" or skip.failed or skip.needs_steps is not None or rule is None:
+            continue
+        metrics = [
+            m for m in catalog.metrics.values() if any(fnmatchcase(m.id, p) for p in rule.metrics)
+        ]
+        needs = [need for m in metrics for need in _variant_needs(m, run)]
+        if needs and all(needs):
+            options[rule.id] = sorted(needs, key=len)
+        else:
+            reasons.setdefault(_why_not_judged(rule, metrics, computed, bool(needs)), []).append(
+                rule.id
+            )
+    groups: list[MissingInput] = []
+    left = dict(options)
+    while left:
+        counts: dict[frozenset[str], list[str]] = {}
+        for finding, needs in left.items():
+            for need in dict.fromkeys(needs):
+                counts.setdefault(need, []).append(finding)
+        need, findings = max(counts.items(), key=lambda kv: (len(kv[1]), -len(kv[0])))
+        groups.append(MissingInput(_ordered(need), tuple(findings)))
+        left = {f: n for f, n in left.items() if f not in findings}
+    groups += [MissingInput((), tuple(ids), reason) for reason, ids in reasons.items()]
+    return tuple(groups)
+
+
+def _variant_needs(metric: Metric, run: Run) -> list[frozenset[str]]:
+    """Per variant of `metric`, the inputs `run` lacks for it (empty: the run can feed it)."""
+    tables, meta = run.tables, run.meta
+    out = []
+    for variant in metric.variants:
+        need: set[str] = set()
+        for table, column in (split_column(variant.table, c) for c in variant.requires):
+            if table not in tables:
+                need.add(TABLE_NEEDS.get(table, f"a {table} table"))
+            elif not run.has(table, column):
+                need.add(f"{table}.{column}")
+        if variant.table not in tables:
+            need.add(TABLE_NEEDS.get(variant.table, f"a {variant.table} table"))
+        if need & {TABLE_NEEDS["tokens"], TABLE_NEEDS["probes"]} and "rollouts" not in tables:
+            need.add(TABLE_NEEDS["rollouts"])  # tokens and probes belong to rollouts
+        need |= {f"run.json {m}" for m in variant.needs_meta if meta.get(m) is None}
+        out.append(frozenset(need))
+    return out
+
+
+def _ordered(need: frozenset[str]) -> tuple[str, ...]:
+    """Tables first (in format order), then columns, then run.json fields."""
+    order = list(TABLE_NEEDS.values())
+    return tuple(
+        sorted(
+            need,
+            key=lambda n: (
+                (0, order.index(n))
+                if n in order
+                else (2, 0)
+                if n.startswith("run.json")
+                else (1, 0),
+                n,
+            ),
+        )
+    )
+
+
+def _why_not_judged(rule: Rule, metrics: list[Metric], computed: Computed, feedable: bool) -> str:
+    """Why a rule whose inputs the run has (or that no input names) did not judge."""
+    if not feedable and metrics and all(m.is_template for m in metrics):
+        return "needs " + ", ".join(f"{m.id} ({m.title})" for m in metrics)
+    empty = [s for s in computed.skipped if any(fnmatchcase(s.metric, p) for p in rule.metrics)]
+    if empty:
+        return f"{empty[0].metric}: {empty[0].reason}"
+    return "needs " + " or ".join(rule.metrics) + " (not computed in this analysis)"

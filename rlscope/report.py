@@ -104,6 +104,37 @@ class Skipped:
 
 
 @dataclass(frozen=True)
+class MissingInput:
+    """Findings not checked for want of the same input, and what to log (or set) to have them."""
+
+    # "a tokens table", "tokens.rollout_logprob", "run.json max_tool_calls"; none: see `reason`
+    needs: tuple[str, ...]
+    findings: tuple[str, ...]
+    reason: str = ""  # why, when no input the run lacks would do (a family with no member)
+
+    def line(self) -> str:
+        """`log a tokens table to judge 2 more findings: kl-stalled, clip-too-low`."""
+        ids = ", ".join(self.findings)
+        if not self.needs:
+            return f"{self.reason}: {ids}"
+        logged = [n for n in self.needs if not n.startswith("run.json ")]
+        meta = [n for n in self.needs if n.startswith("run.json ")]
+        todo = [f"log {' and '.join(logged)}"] if logged else []
+        todo += [f"set {' and '.join(meta)}"] if meta else []
+        count = len(self.findings)
+        more = f"{count} more finding{'' if count == 1 else 's'}"
+        return f"{' and '.join(todo)} to judge {more}: {ids}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "needs": list(self.needs),
+            "findings": list(self.findings),
+            "reason": self.reason or None,
+            "text": self.line(),
+        }
+
+
+@dataclass(frozen=True)
 class RunInfo:
     """What was read: the run's identity, counts and tables."""
 
@@ -145,6 +176,8 @@ class Report:
     judged: tuple[str, ...] = ()
     # The override file used, if any (Config.summary): its source and what it changed.
     config: dict[str, Any] | None = None
+    # The findings in `skipped` for want of inputs, grouped by what would let them judge.
+    inputs_missing: tuple[MissingInput, ...] = ()
 
     def status(self, metric: MetricResult) -> tuple[str, str] | None:
         """What the report says of a metric, as (label, kind): the worst finding naming it
@@ -245,6 +278,7 @@ class Report:
             "warnings": list(self.warnings),
             "notes": list(self.notes),
             "config": self.config,
+            "inputs_missing": [m.to_dict() for m in self.inputs_missing],
         }
 
 

@@ -111,7 +111,7 @@ class Metric:
     doc: str
     healthy: str
     variants: tuple[Variant, ...]
-    # One line for the README's metric table (generated from the catalog: rlscope.docs).
+    # One line for the docs' metrics table (generated from the catalog: rlscope.docs).
     brief: str = ""
     # "share": a proportion in [0, 1] (checked by the property tests); "" otherwise.
     unit: Unit = ""
@@ -243,7 +243,7 @@ class Rule:
     params: Mapping[str, Param]
     check: RuleFn
     severity: Severity = "warn"
-    # One line for the README's findings table: when it fires (generated: rlscope.docs).
+    # One line for the docs' findings table: when it fires (generated: rlscope.docs).
     brief: str = ""
     # Metrics whose frames only supply the example rollouts a finding names: computed with the
     # rule, never judged by it (a rule reads computed results only, it never scans the run).

@@ -505,6 +505,11 @@ def test_quiet_prints_the_verdict_and_the_findings_only() -> None:
     assert quiet.stdout.startswith("verdict: 1 critical: entropy-collapse")
     assert "CRITICAL" in quiet.stdout and "entropy-collapse (L2)" in quiet.stdout
     assert "behavior.response_len" not in quiet.stdout and "rlscope analyze" not in quiet.stdout
+    # what did not fire, and why, is the full report's: once, grouped by the missing input
+    assert "not checked" not in quiet.stdout and "train-inference-mismatch" not in quiet.stdout
+    full = rlscope("analyze", str(COLLAPSE), columns=80).stdout
+    assert full.count("not checked, inputs missing:") == 1
+    assert "• log a tokens table to judge 3 more findings: train-inference-mismatch," in full
 
 
 def test_compare_fits_80_columns_and_gates_on_regression(tmp_path: Path) -> None:

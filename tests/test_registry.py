@@ -1,4 +1,4 @@
-"""The registry is complete: every metric and finding is documented, explained and in the README."""
+"""The registry is complete: every metric and finding is documented, explained and in the docs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ from rlscope.spec import LAYERS, SEVERITIES
 METRICS = default_catalog().metrics
 RULES = default_catalog().rules
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+README = (ROOT / "README.md").read_text()
+METRICS_PAGE = (DOCS / "reference" / "metrics" / "index.md").read_text()
+FINDINGS_PAGE = (DOCS / "reference" / "findings" / "index.md").read_text()
 ID_PATTERN = re.compile(r"^[a-z]+\.[a-z0-9_]+(\.[a-z0-9_]+|\.\*)?$")
 NAMESPACES = {
     "stability": "L1",
@@ -35,13 +39,15 @@ def test_metric_is_documented(metric_id: str) -> None:
     assert metric.healthy, "the doc gives a healthy range"
     template = metric.is_template  # a family (`signal.reward.*`): its members have variants
     assert metric.title and (metric.variants or template)
-    assert metric.brief and "\n" not in metric.brief, "a one-line brief for the README table"
+    assert metric.brief and "\n" not in metric.brief, "a one-line brief for the metrics table"
     for variant in metric.variants:
         assert variant.table in ("steps", "rollouts", "tokens", "probes") and variant.requires
     text = metric.explain()
     assert metric.id in text and "Healthy:" in text
     listed = f"`{metric.id[:-1]}<name>`" if template else f"`{metric.id}`"
-    assert listed in README, "README's metric table lists every id"
+    assert listed in METRICS_PAGE, "the metrics page's table lists every id"
+    layer_page = (DOCS / "reference" / "metrics" / f"{metric.layer.lower()}.md").read_text()
+    assert f"{{#{metric.id.replace('*', 'name')}}}" in layer_page, "a section of its own"
 
 
 @pytest.mark.parametrize("rule_id", sorted(RULES))
@@ -50,14 +56,16 @@ def test_finding_is_documented(rule_id: str) -> None:
     assert re.match(r"^[a-z]+(-[a-z]+)*$", rule.id)
     assert rule.layer in LAYERS and rule.severity in SEVERITIES
     assert len(rule.doc) >= 80 and rule.remedy and rule.title
-    assert rule.brief and "\n" not in rule.brief, "a one-line brief for the README table"
+    assert rule.brief and "\n" not in rule.brief, "a one-line brief for the findings table"
     assert all(m in METRICS for m in rule.metrics), "a rule reads registered metrics"
     for name, param in rule.params.items():
         assert param.doc, f"threshold {name} is documented"
         assert f"`{name}`" in rule.doc or name == "min_steps", f"the doc explains {name}"
     text = rule.explain()
     assert "What to try:" in text and rule.id in text
-    assert f"`{rule.id}`" in README, "README's findings table lists every id"
+    assert f"`{rule.id}`" in FINDINGS_PAGE, "the findings page's table lists every id"
+    layer_page = (DOCS / "reference" / "findings" / f"{rule.layer.lower()}.md").read_text()
+    assert f"{{#{rule.id}}}" in layer_page and rule.explain() in layer_page, "`explain`, anchored"
 
 
 def test_rates_are_declared_shares() -> None:
@@ -87,10 +95,33 @@ def test_rates_are_declared_shares() -> None:
     assert rates <= set(default_catalog().share_metrics())
 
 
-def test_readme_tables_are_generated_from_the_catalog() -> None:
-    from rlscope.docs import update_readme
+def test_the_generated_docs_are_current() -> None:
+    """The site's reference pages (metrics, findings, formats, commands, run format, Python API,
+    benchmark tables) and the layers tables of the README and the layers page say what the
+    source says: no mkdocs needed, `make docs` regenerates them."""
+    from rlscope.docs import MARKED, stale_pages, update_readme
 
-    assert update_readme(README) == README, "run `make docs`"
+    for path, base in MARKED.items():
+        text = path.read_text(encoding="utf-8")
+        assert update_readme(text, base) == text, f"{path.name}: run `make docs`"
+    assert stale_pages() == [], "run `make docs`"
+
+
+def test_every_command_format_and_option_has_a_page() -> None:
+    from typer.main import get_command
+
+    from rlscope.cli import app
+    from rlscope.importers import IMPORTERS
+
+    cli = (DOCS / "reference" / "cli.md").read_text()
+    for name, command in get_command(app).commands.items():  # type: ignore[attr-defined]
+        assert f"## `rlscope {name}` {{#{name}}}" in cli
+        for param in command.params:
+            if not param.hidden and param.param_type_name == "option":
+                assert f"`{param.opts[0]}" in cli, (name, param.opts)
+    for name in IMPORTERS:
+        assert (DOCS / "reference" / "formats" / f"{name}.md").is_file()
+    assert len(README.splitlines()) <= 250, "the README sells and starts; the rest is in docs/"
 
 
 def test_the_shipped_reference_is_generated_from_the_catalog() -> None:

@@ -203,3 +203,48 @@ def test_smoke_verl_metrics_fixture(tmp_path: Path) -> None:
     assert report["run"]["tables"] == ["steps"]
     assert {"stability.grad_norm", "behavior.entropy"} <= set(report["metrics"])
     assert any(s["reason"] == STEPS_ONLY for s in report["skipped"])
+
+
+def test_quiet_says_only_what_fired_and_the_full_report_groups_the_missing_inputs(
+    steps_run: Path,
+) -> None:
+    """`-q` is the verdict and the findings; the findings a steps-only run cannot judge are in
+    the full report once, grouped by the input that would let rlscope judge them, and in the
+    JSON under `inputs_missing` (the `skipped` list unchanged)."""
+    quiet = runner.invoke(app, ["analyze", str(steps_run), "-q"])
+    assert quiet.exit_code == 0, quiet.output
+    assert quiet.output.startswith("verdict: ")
+    assert "not checked" not in quiet.output and "dead-prompts" not in quiet.output
+    assert "skipped" not in quiet.output and "note:" not in quiet.output
+    full = runner.invoke(app, ["analyze", str(steps_run)], env={"COLUMNS": "200"})
+    text = full.output
+    assert text.count("not checked, inputs missing:") == 1
+    line = next(ln for ln in text.splitlines() if "log a rollouts table to judge" in ln)
+    assert "dead-prompts" in line and "mode-collapse" in line
+    assert text.count("dead-prompts") == 1  # named once, in its group
+    doc = json.loads(runner.invoke(app, ["analyze", str(steps_run), "--format", "json"]).stdout)
+    # one line per reason in a layer panel, not one per metric
+    lacking = sum(STEPS_ONLY in s["reason"] for s in doc["skipped"])
+    assert text.count(STEPS_ONLY) < lacking / 2
+    groups = doc["inputs_missing"]
+    assert list(doc)[-1] == "inputs_missing"  # a new key, after the existing ones
+    rollouts = next(g for g in groups if g["needs"] == ["a rollouts table"])
+    assert "dead-prompts" in rollouts["findings"] and rollouts["text"].startswith("log a rollouts")
+    grouped = [f for g in groups for f in g["findings"]]
+    assert len(grouped) == len(set(grouped))  # each finding in one group
+    skipped = {s["metric"] for s in doc["skipped"]}
+    assert set(grouped) <= skipped  # the same findings `skipped` lists, with their reasons
+
+
+def test_missing_input_lines() -> None:
+    from rlscope.report import MissingInput
+
+    assert (
+        MissingInput(("a tokens table",), ("a", "b")).line()
+        == "log a tokens table to judge 2 more findings: a, b"
+    )
+    assert (
+        MissingInput(("a rollouts table", "run.json max_tool_calls"), ("c",)).line()
+        == "log a rollouts table and set run.json max_tool_calls to judge 1 more finding: c"
+    )
+    assert MissingInput((), ("d",), "needs x.*").line() == "needs x.*: d"

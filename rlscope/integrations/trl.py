@@ -16,8 +16,8 @@ Trainer that holds it in its calling frames. Without a trainer only the steps ta
 and `rlscope analyze` needs rollouts (the callback warns at the end).
 
 With `judge_every=K` (or a `stop_on`) it also judges the run every K steps, announces findings,
-sends rlscope's metrics to the trainer's loggers, and can stop training (README "Stopping a bad
-run"; `rlscope.live`).
+sends rlscope's metrics to the trainer's loggers, and can stop training
+(docs/guides/stopping-a-bad-run.md; `rlscope.live`).
 
 What it writes:
 
@@ -183,13 +183,13 @@ class RlscopeCallback(_CallbackBase):
     (group size; default from the trainer or its args), `keep_text` (store completions as
     `response`), `eval_split` (split of completions logged with `eval_*` metrics).
 
-    Judging (README "Stopping a bad run"): `judge_every` (judge the run written so far every
+    Judging (docs/guides/stopping-a-bad-run.md): `judge_every` (judge the run written so far every
     that many steps; default none, or DEFAULT_JUDGE_EVERY with a `stop_on`), `stop_on`
     (`never`, a severity or finding ids: stop training on such a finding, with stop.json),
     `log_metrics` (send rlscope's metrics to the trainer's loggers at each judgement),
     `config` and `cache_dir` (the analysis'). `judgements` lists every judgement made.
 
-    Probing (README "Measuring faithfulness"): `probe_every=K` probes `probe_per_step` of the
+    Probing (docs/guides/probes.md): `probe_every=K` probes `probe_per_step` of the
     step's rollouts every K steps with the trainer's own model (`model.generate`, greedy, at most
     `probe_max_tokens` new tokens; no server), with `probe_kinds` (truncate, filler, bias: the
     interventions that need no editor model), written as probes of that step (`model`

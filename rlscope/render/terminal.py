@@ -176,8 +176,11 @@ def _layer_panel(report: Report, layer: str, width: int) -> Panel | None:
             detail = "; ".join(p for p in (logged_text, detail) if p)
         if detail:
             lines.append(Text(safe_text(f"{metric.id}: {detail}"), style="dim"))
-    for skip in skipped:
-        lines.append(Text(safe_text(f"skipped {skip.metric}: {skip.reason}"), style="dim"))
+    by_reason: dict[str, list[str]] = {}
+    for skip in skipped:  # one line per reason: a steps-only run lacks the same table 40 times
+        by_reason.setdefault(skip.reason, []).append(skip.metric)
+    for reason, ids in by_reason.items():
+        lines.append(Text(safe_text(f"skipped {', '.join(ids)}: {reason}"), style="dim"))
     return Panel(Group(*lines), title=f"{layer} {LAYERS[layer]}", title_align="left")
 
 
@@ -215,7 +218,7 @@ def metric_detail(metric: MetricResult) -> str:
     return "; ".join(parts)
 
 
-def _findings(report: Report) -> Panel:
+def _findings(report: Report, *, quiet: bool = False) -> Panel:
     if not report.findings:
         body: Text | Table | Group = Text(
             "No findings: nothing at info level or above.", style="green"
@@ -242,11 +245,16 @@ def _findings(report: Report) -> Panel:
                     Text(safe_text(f"{arrow}{finding.id} ({finding.layer})"), style="bold"),
                     message,
                 )
+    if quiet:  # only what fired
+        return Panel(body, title="Findings", title_align="left")
+    if report.inputs_missing:
+        missing = Table.grid(padding=(0, 1))
+        missing.add_column(no_wrap=True)
+        missing.add_column()
+        for group in report.inputs_missing:
+            missing.add_row("•", Text(safe_text(group.line())), style="dim")
+        body = Group(body, Text("not checked, inputs missing:", style="dim"), missing)
     unchecked = [s for s in report.skipped if s.kind == "finding" and not s.failed]
-    missing = [s.metric for s in unchecked if s.needs_steps is None]
-    if missing:
-        text = f"not checked (inputs missing): {', '.join(missing)}"
-        body = Group(body, Text(safe_text(text), style="dim"))
     waiting = [f"{s.metric} ({s.needs_steps})" for s in unchecked if s.needs_steps is not None]
     if waiting:
         text = f"not judged yet (steps needed): {', '.join(waiting)}"
@@ -274,7 +282,8 @@ def summary_line(report: Report) -> Text:
 
 
 def render_terminal(report: Report, console: Console, *, quiet: bool = False) -> None:
-    """The report; `quiet`: the verdict line and the findings only."""
+    """The report; `quiet`: the verdict line and the findings only (what fired: not the
+    findings that could not be judged, nor the notes)."""
     parts: list = [summary_line(report)]
     if not quiet:
         parts.append(_header(report))
@@ -282,7 +291,7 @@ def render_terminal(report: Report, console: Console, *, quiet: bool = False) ->
             panel = _layer_panel(report, layer, console.width)
             if panel is not None:
                 parts.append(panel)
-    parts.append(_findings(report))
+    parts.append(_findings(report, quiet=quiet))
     if not quiet:
         for note in report.notes:
             parts.append(Text(safe_text(f"note: {note}"), style="dim"))

@@ -16,8 +16,8 @@ per run. That makes three things cheap:
   plan), keyed by the file's path, size, mtime and inode, so re-analysing a growing run reads
   only the files that are new since the last time;
 * scaling out: `chunk_tagged` is a pure function of (files, plan), so any map over chunks of
-  files (a process pool, Ray, Dask) can run it, with `merge` on the driver (README "Scaling
-  out").
+  files (a process pool, Ray, Dask) can run it, with `merge` on the driver
+  (docs/guides/scaling-out.md).
 """
 
 from __future__ import annotations

@@ -321,7 +321,7 @@ class PartialStore(Protocol):
 
 
 #: Any `map`: the builtin, `Executor.map`, or a distributed engine's map over the chunks of
-#: files (Ray, Dask; README "Scaling out"). It must return one result per chunk, in order.
+#: files (Ray, Dask; docs/guides/scaling-out.md). It must return one result per chunk, in order.
 Mapper = Callable[[Callable[[list[TokenFile]], dict[str, pl.DataFrame]], list], Iterable]
 
 
