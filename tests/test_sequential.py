@@ -230,3 +230,20 @@ def test_performance_regression_is_sure_right_after_a_jump() -> None:
     assert ids(found) == ["performance-regression"]
     assert found[0].evidence["began"] >= 26 and found[0].evidence["sure"] <= 28
     assert "learning rate" in found[0].message
+
+
+# --- level rules from the first step their bound is sure --------------------------------------
+
+
+def test_level_rules_judge_from_the_first_step_their_bound_is_sure() -> None:
+    """A logged learning rate of 0 is sure at its second step (a linear warm-up logs 0 at its
+    first only); a clip fraction or a truncation rate measured over a step's whole batch at its
+    first."""
+    (zero,) = judge("lr-zero", {"stability.lr": [0.0, 0.0]})
+    assert zero.severity == "critical"
+    assert judge("lr-zero", {"stability.lr": [0.0]}) == []
+    assert judge("lr-zero", {"stability.lr": [0.0, 5e-5]}) == []
+    (clip,) = judge("clip-too-high", {"stability.clip_frac": [0.2]})
+    assert clip.severity == "warn"
+    (cut,) = judge("truncation", {"behavior.truncation_rate": [0.3]})
+    assert cut.severity == "critical"

@@ -94,6 +94,10 @@ def custom(
     return Variant(table, requires, series, partials, source, needs_meta, empty_reason)
 
 
+#: A per-rollout metric's component: what it was measured over at the step (its denominator).
+UNITS = "extra_units"
+
+
 def per_rollout(
     requires: tuple[str, ...],
     partials: Mapping[str, pl.Expr] | PartialsFn,
@@ -123,7 +127,11 @@ def per_rollout(
         out = safe_div(pl.col("num"), pl.col("den"))
         if defined_if is not None:
             out = pl.when(pl.col("defined")).then(out)
-        return sums.select("step", out.alias("value"), pl.col("^extra_.*$"))
+        # what a share was measured over (its denominator: rollouts, tagged rollouts): its
+        # sampling error, for the rules (rules.base.final_level)
+        return sums.select(
+            "step", out.alias("value"), pl.col("^extra_.*$"), pl.col("den").alias(UNITS)
+        )
 
     return Variant(
         "rollouts",

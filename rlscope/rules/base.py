@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from rlscope.metrics._common import UNITS
 from rlscope.metrics.signal import ACC_SQ
 from rlscope.report import MetricResult
 from rlscope.spec import Finding, Rule, Severity
@@ -615,7 +616,8 @@ def level_severity(level: float, params: Mapping[str, float], se: float = 0.0) -
 LEVEL_NOTE = (
     " The level is judged two standard errors deep: the final-window mean (the last tenth of "
     "the steps, at least 3) minus twice its standard error from the window's step-to-step "
-    "scatter must reach `warn_at`, so a small batch (few rollouts a step) or a short run does "
+    "scatter (for a share of rollouts, never below its binomial error over them) must reach "
+    "`warn_at`, so a small batch (few rollouts a step) or a short run does "
     "not fire on noise; `critical_at` then applies to the level itself. Shares of the run's "
     "own rollouts, so they hold at any run length and group size."
 )
@@ -637,18 +639,33 @@ class Level:
 
 
 def final_level(
-    ctx: RuleContext, metric_id: str, *, complement: bool = False, excused: float = 0.0
+    ctx: RuleContext,
+    metric_id: str,
+    *,
+    complement: bool = False,
+    excused: float = 0.0,
+    binary: bool = False,
 ) -> Level | None:
     """The one level judgement of the rules: a metric's final-window mean (of 1 - value with
     `complement`, less the share `excused` that another finding explains) against the rule's
-    `warn_at`/`critical_at`, allowing for the window's standard error (LEVEL_NOTE). None when
+    `warn_at`/`critical_at`, allowing for the window's standard error (LEVEL_NOTE; for a
+    `binary` share, never below its binomial error over what it was measured over). None when
     the series is shorter than `min_steps` (default 1) or the level is below the thresholds."""
     series = ctx.series(metric_id)
     if series is None or len(series) < max(1, ctx.params.get("min_steps", 1)):
         return None
     value = final_mean(series)
     level = max((1.0 - value if complement else value) - excused, 0.0)
-    severity = level_severity(level, ctx.params, final_se(series))
+    se = final_se(series)
+    frame = ctx.frame(metric_id)
+    if binary and frame is not None and UNITS in frame.columns:
+        # a share is never surer than its rollouts make it: a few steps whose shares happen
+        # to agree do not shrink its binomial error
+        window = frame.filter(pl.col("step") >= final_steps(series))
+        units = float(window[UNITS].cast(pl.Float64).sum() or 0.0)
+        if units > 0:
+            se = max(se, share_se(min(max(value, 0.0), 1.0), units))
+    severity = level_severity(level, ctx.params, se)
     return None if severity is None else Level(series, value, level, severity)
 
 

@@ -222,12 +222,13 @@ def _level_rule(
     examples: Callable[[pl.DataFrame], list[int]] | None = None,
     excused: float = 0.0,
     learnt: bool = False,
+    binary: bool = False,
 ) -> Iterator[Finding]:
     """A final-window level against `warn_at`/`critical_at` (of 1 - value with `complement`),
     less the share `excused` that another finding explains; `examples` picks rollout ids from
     the per-rollout rows of the final window. With `learnt`, a warning level that is falling
     significantly since the run's start (the policy is being taught out of it) is `info`."""
-    found = final_level(ctx, metric_id, complement=complement, excused=excused)
+    found = final_level(ctx, metric_id, complement=complement, excused=excused, binary=binary)
     if found is None:
         return
     series = found.series
@@ -387,6 +388,7 @@ def format_violations(ctx: RuleContext) -> Iterator[Finding]:
             rows, pl.col("tagged").is_not_null() & ~pl.col("format_ok")
         ),
         learnt=True,
+        binary=True,
     )
 
 

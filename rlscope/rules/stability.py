@@ -138,9 +138,12 @@ def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
     "each step is larger than the last, so the drift accelerates by design (a genuine TRL run "
     "with 10 warm-up steps: KL 0.01 → 0.6 over steps 10–17, then back to 0.07). The last "
     "third's level must be surely past `min_level` (its mean less two standard errors): a k1 "
-    "KL of 0.02 that scatters by as much, negative at some steps, has no shape yet. Only the "
-    "level can say the run is already broken: critical from `critical_level`, improving or "
-    "not.",
+    "KL of 0.02 that scatters by as much, negative at some steps, has no shape yet. Judged "
+    "from `min_steps` steps: the policy starts as its reference, so a run's first steps grow "
+    "the KL from 0 and thirds of that growth are convex by construction (a genuine PPO loop: "
+    "0.007 → 0.007 → "
+    "0.02 nats/token over steps 1–15, then flat). Only the level can say the run is already "
+    "broken: critical from `critical_level`, improving or not.",
     remedy="raise the KL coefficient (β) or add a KL loss; lower the learning rate; check the "
     "reward for hacking (inspect the highest-reward rollouts of the last steps).",
     explains={"performance-regression": DRIFT_EXPLAINS_COLLAPSE},
@@ -153,7 +156,9 @@ def kl_stalled(ctx: RuleContext) -> Iterator[Finding]:
         "critical_level": Param(0.5, "last-third mean KL (nats/token) for a critical finding"),
         "z": Param(3.0, "z-score of the last third's rise over the middle third's"),
         "progress_z": Param(2.0, "a task-outcome rise with this z-score is progress (info)"),
-        "min_steps": Param(12, "fewest steps to judge the shape"),
+        "min_steps": Param(
+            20, "fewest steps to judge the shape (a run's first steps grow the KL from 0)"
+        ),
     },
     severity="critical",
 )
@@ -990,6 +995,7 @@ CHANGE_EXPLAINS = {
         ("grad-spike", "a policy knocked off its course gives larger, rarer gradients"),
         ("divergence", "a step far too large can overflow the loss or its gradient"),
         ("entropy-collapse", "a larger step sharpens the policy faster"),
+        ("diversity-collapse", "a larger step sharpens the policy: a prompt's samples converge"),
         ("value-divergence", "a critic stepping far too far loses its fit of the returns"),
         ("critic-not-learning", "a critic stepping far too far loses its fit of the returns"),
     )
@@ -1060,6 +1066,7 @@ def update_change(ctx: RuleContext) -> Iterator[Finding]:
         + (f"; later: {', '.join(_jump_text(c) for c in later[:3])}" if later else "")
         + ".",
         began=first.step,
+        metrics=sorted({c.metric for c in (first, *quoted, *later)}),
         changed={c.metric: [c.before, c.after] for c in (first, *quoted)},
         changes=[[c.metric, c.step, c.before, c.after] for c in changes],
         steps=[first.step, first.until],
@@ -1072,7 +1079,7 @@ def _jump_text(change: Change) -> str:
 
 def _moved_with(ctx: RuleContext, change: Change) -> list[Change]:
     """What else moved ×DRIVER_RATIO or more over the change's step and the 2 after (medians,
-    against the 10 steps before)."""
+    against the 10 steps before), once those 3 steps are logged."""
     moved = []
     for metric_id in UPDATE_NAMES:
         series = ctx.series(metric_id)
@@ -1081,7 +1088,7 @@ def _moved_with(ctx: RuleContext, change: Change) -> list[Change]:
         steps, values = series.steps, series.values
         before = values[(steps < change.step) & (steps >= change.step - SHIFT_BEFORE)]
         after = values[(steps >= change.step) & (steps <= change.step + 2)]
-        if not len(before) or not len(after):
+        if not len(before) or len(after) < 3:  # one step after is no level
             continue
         a, b = float(np.median(before)), float(np.median(after))
         low, high = sorted((abs(a), abs(b)))
