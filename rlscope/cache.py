@@ -17,6 +17,7 @@ from rlscope._version import __version__
 from rlscope.atomic import atomic_write
 from rlscope.exactsum import ENGINE
 from rlscope.reader import Run
+from rlscope.store import RunPath
 from rlscope.tokenscan import (
     FILE_ID,
     LEVEL_KEYS,
@@ -264,7 +265,7 @@ class Parts:
 
 
 def file_key(
-    path: Path, stat: tuple[int, int, int], schema: Mapping[str, Any], hive: Mapping[str, str]
+    path: RunPath, stat: tuple[int, int, int], schema: Mapping[str, Any], hive: Mapping[str, str]
 ) -> str:
     """A file's cache key: its resolved path, size, mtime, inode and the types and hive values
     it is read with, so a rewritten or replaced file is never served stale."""

@@ -250,9 +250,20 @@ def _probes(chain: iv.Chain, settings: ProbeSettings, has_hint: bool) -> list[Pr
     return list(out.values())
 
 
+def _local(run: Run) -> Path:
+    """The run's directory: probes are appended to the run, never written into a store."""
+    if not isinstance(run.path, Path):
+        raise RlscopeError(
+            f"{run.path}: `rlscope probe` appends the probes to the run, and rlscope never "
+            "writes into a store",
+            hint="copy the run to a local directory (e.g. aws s3 sync URL DIR) and probe that",
+        )
+    return run.path
+
+
 def plan_probes(run: Run, settings: ProbeSettings) -> tuple[list[Target], ProbeSummary]:
     """The rollouts to probe and their probes still missing, and the summary of that plan."""
-    summary = ProbeSummary(run.path, settings.model)
+    summary = ProbeSummary(_local(run), settings.model)
     context = _context_columns(run)
     if not run.has("rollouts", "answer", "response"):
         raise RlscopeError(
@@ -278,7 +289,7 @@ def plan_probes(run: Run, settings: ProbeSettings) -> tuple[list[Target], ProbeS
             hint="the answer is what a probe's answer is compared with: log `answer`, or use "
             "an importer that extracts it (<answer>…</answer>, \\boxed{…}, `Answer: X`)",
         )
-    targets = targets_of(frame, settings, _already(run, settings.model), summary, run.path)
+    targets = targets_of(frame, settings, _already(run, settings.model), summary, _local(run))
     summary.estimated_prompt_tokens = int(
         sum(_context_words(t) * len(t.probes) for t in targets) * TOKENS_PER_WORD
     )
@@ -631,7 +642,7 @@ def probe_run(
     if dry_run or not targets:
         summary.seconds = time.monotonic() - started
         return summary
-    writer = TableWriter(run.path, rank=PROBE_RANK, flush_rows={"probes": FLUSH_PROBES})
+    writer = TableWriter(_local(run), rank=PROBE_RANK, flush_rows={"probes": FLUSH_PROBES})
     gone: ServerGone | None = None
     try:
         run_coroutine(_ask_all(targets, settings, writer, summary, progress))
