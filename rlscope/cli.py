@@ -625,7 +625,8 @@ def import_command(
         ),
     ],
     out: Annotated[
-        Path, typer.Argument(help="The format-v1 run directory to write or extend.", metavar="OUT")
+        str,
+        typer.Argument(help="The format-v1 run directory to write or extend.", metavar="OUT"),
     ],
     option: Annotated[
         list[str] | None,
@@ -684,7 +685,7 @@ def import_command(
     from rlscope.importers import import_run
 
     try:
-        options: dict[str, object] = dict(
+        options: dict[str, Any] = dict(
             parse_pairs(with_legacy(option, legacy_option) or [], "--option")
         )
         if reward_column:
@@ -1116,7 +1117,7 @@ def probe(
 
             options: dict[str, Any] = dict(import_options(from_format, option))
             path = import_cache_dir(from_format, run, options, root=cache_dir)
-            import_run(from_format, run, path, **options)
+            import_run(from_format, run, path, cache_dir=cache_dir, **options)
         with _progress(f"probing {run}") as progress:
             summary = probe_run(path, settings, dry_run=dry_run, progress=progress)
     except RlscopeError as exc:

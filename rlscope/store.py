@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -122,14 +123,18 @@ def arrow_source(path: RunPath) -> tuple[str, Any]:
     return path.key, filesystem(path)
 
 
-_filesystems: dict[tuple[str, str], Any] = {}
+_filesystems: dict[tuple[str, str, str], Any] = {}
+_SETTINGS = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "HF_")
 _lock = threading.Lock()
 
 
 def filesystem(path: StorePath) -> Any:
     """pyarrow's filesystem of `path`'s store, made once per process and bucket (a cluster's
     worker makes its own, from its own environment)."""
-    name = (path.scheme, path.bucket if path.scheme in ("s3", "az") else "")
+    # The environment is part of the key: a filesystem reads its endpoint and credentials
+    # when it is made.
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith(_SETTINGS))
+    name = (path.scheme, path.bucket if path.scheme in ("s3", "az") else "", repr(settings))
     with _lock:
         if name not in _filesystems:
             _filesystems[name] = _new_filesystem(path)
@@ -155,7 +160,9 @@ def _new_filesystem(path: StorePath) -> Any:
             request_timeout=REQUEST_TIMEOUT,
         )
     if path.scheme == "gs":
-        return pafs.GcsFileSystem(retry_time_limit=REQUEST_TIMEOUT)
+        from datetime import timedelta
+
+        return pafs.GcsFileSystem(retry_time_limit=timedelta(seconds=REQUEST_TIMEOUT))
     if path.scheme == "az":
         account = os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
         if not account:
@@ -216,16 +223,17 @@ def open_object(path: StorePath) -> tuple[Any, int]:
         meta = handle.metadata() or {}
     except OSError as exc:
         raise store_error(path, exc) from None
-    fields = {k.lower(): v for k, v in meta.items()}
+    # pyarrow's metadata: str or bytes keys (by store), bytes values.
+    fields = {_text(k).lower(): _text(v) for k, v in meta.items()}
     tag = next(
-        (
-            fields[k]
-            for k in (b"etag", b"generation", b"versionid", b"last-modified")
-            if k in fields
-        ),
-        b"",
+        (fields[k] for k in ("etag", "generation", "versionid", "last-modified") if k in fields),
+        "",
     )
-    return handle, int.from_bytes(hashlib.blake2b(tag, digest_size=7).digest(), "big")
+    return handle, int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=7).digest(), "big")
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def read_object(path: StorePath) -> bytes:
@@ -235,6 +243,64 @@ def read_object(path: StorePath) -> bytes:
             return bytes(stream.read())
     except OSError as exc:
         raise store_error(path, exc) from None
+
+
+def mirror(source: StorePath, into: Path) -> Path:
+    """A local copy in `into` of `source` (a folder's objects, or one object), for readers that
+    need whole local files (the importers); the copy's path is returned. Only objects whose
+    size or modification time changed since the last copy are fetched (CONCURRENCY at once);
+    objects gone from the store leave the copy. Nothing is written to the store."""
+    import json
+
+    listed = list_folder(source, recursive=True)
+    base = source
+    if listed is None:  # one object, or nothing
+        try:
+            info = filesystem(source).get_file_info(source.key)
+        except OSError as exc:
+            raise store_error(source, exc) from None
+        if info.size is None or not info.is_file:
+            raise RlscopeError(f"{source}: no such object or folder in the store")
+        listed, base = [StoreObject(source, info.size, info.mtime_ns or 0)], source.parent
+    # The copy bears the folder's name (importers name the run after it), the stamps beside it.
+    copy, stamps_file = into / base.name, into / "stamps.json"
+    try:
+        stamps = json.loads(stamps_file.read_text())
+    except (OSError, ValueError):
+        stamps = {}
+    wanted: dict[str, StoreObject] = {}
+    for found in listed:
+        rel = found.path.relative_to(base)
+        if rel.parts and ".." not in rel.parts:  # a key never leads out of the copy
+            wanted[rel.as_posix()] = found
+    stale = [
+        (rel, found)
+        for rel, found in wanted.items()
+        if stamps.get(rel) != [found.size, found.mtime_ns] or not (copy / rel).is_file()
+    ]
+    concurrently(lambda item: _fetch(item[1], copy / item[0]), stale)
+    for rel in set(stamps) - set(wanted):
+        (copy / rel).unlink(missing_ok=True)
+    into.mkdir(parents=True, exist_ok=True)
+    stamps_file.write_text(json.dumps({r: [o.size, o.mtime_ns] for r, o in wanted.items()}))
+    return copy if base == source else copy / source.name
+
+
+def _fetch(found: StoreObject, dest: Path) -> None:
+    """One object streamed to `dest` (a partial download never takes its name)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}.part")
+    try:
+        with (
+            filesystem(found.path).open_input_stream(found.path.key) as source,
+            open(tmp, "wb") as out,
+        ):
+            while chunk := source.read(1 << 22):
+                out.write(chunk)
+        os.replace(tmp, dest)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise store_error(found.path, exc) from None
 
 
 def concurrently(work: Callable[[T], R], items: Iterable[T]) -> list[R]:
@@ -247,44 +313,48 @@ def concurrently(work: Callable[[T], R], items: Iterable[T]) -> list[R]:
         return list(pool.map(work, items))
 
 
-#: Words of a store's error that say what went wrong, and what to do about it.
+#: What a store's error says (its words, lower case, without spaces or punctuation: pyarrow's
+#: `AWS Error ACCESS_DENIED`, Polars' `AccessDenied`), the cause and what to do; first match.
 _CAUSES = (
     (
-        ("nosuchbucket", "bucket does not exist", "bucket not found"),
+        (
+            "accessdenied",
+            "invalidaccesskeyid",
+            "signaturedoesnotmatch",
+            "expiredtoken",
+            "invalidtoken",
+            "forbidden",
+            "unauthorized",
+            "unauthenticated",
+            "permissiondenied",
+            "credential",
+        ),
+        "access denied",
+        "check the store's credentials in the environment or its config files (for S3: "
+        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE and ~/.aws)",
+    ),
+    (
+        ("nosuchbucket", "bucketdoesnotexist", "bucketnotfound"),
         "the bucket does not exist",
         "check the bucket's name (and AWS_ENDPOINT_URL for another S3 endpoint)",
     ),
     (
         (
-            "access_denied",
-            "accessdenied",
-            "access denied",
-            "forbidden",
-            "403",
-            "invalidaccesskeyid",
-            "signaturedoesnotmatch",
-            "credentials",
-            "401",
-        ),
-        "access denied",
-        "check the store's credentials in the environment or its config files "
-        "(for S3: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws)",
-    ),
-    (
-        (
-            "connection refused",
-            "couldn't connect",
-            "curlcode: 7",
-            "connect",
-            "timed out",
+            "networkconnection",
+            "couldnotconnect",
+            "connectionrefused",
+            "connectionreset",
+            "failedtoconnect",
+            "timedout",
             "timeout",
+            "errorsendingrequest",
         ),
         "the store did not answer",
         "check the endpoint (AWS_ENDPOINT_URL for another S3 endpoint) and the network; "
         f"each request was tried {ATTEMPTS} times",
     ),
     (
-        ("no such file", "does not exist", "nosuchkey", "not found", "404"),
+        ("nosuchkey", "nosuchfile", "notfound", "doesnotexist"),
         "no such object",
         "the object was removed or renamed since the run was listed; re-run",
     ),
@@ -294,10 +364,10 @@ _CAUSES = (
 def store_error(path: StorePath | str, exc: BaseException) -> RlscopeError:
     """A failed request to a store as an RlscopeError naming the URL and, when the store's
     message says it, the cause and what to do."""
-    text = " ".join(str(exc).split())
-    lowered = text.lower()
-    for words, cause, hint in _CAUSES:
-        if any(word in lowered for word in words):
+    text = re.sub(r"\s*\(Request ID: [^)]*\)", "", " ".join(str(exc).split()))
+    words = re.sub(r"[^a-z]", "", text.lower())
+    for keys, cause, hint in _CAUSES:
+        if any(key in words for key in keys):
             return RlscopeError(f"{path}: {cause} ({_short(text)})", hint=hint)
     return RlscopeError(f"{path}: the store failed ({_short(text)})", hint="re-run")
 
