@@ -122,13 +122,14 @@ def test_each_store_has_its_own_pyarrow_filesystem(monkeypatch: pytest.MonkeyPat
 
 def test_a_stores_errors_say_the_cause() -> None:
     url = "s3://bkt/run"
+    gone, silent = "the bucket does not exist", "the store did not answer"
     cases = {
         "AWS Error ACCESS_DENIED during GetObject operation": "access denied",
         "AWS Error INVALID_ACCESS_KEY_ID: The AWS Access Key Id you provided does not exist "
         "in our records. (Request ID: x)": "access denied",
-        "AWS Error NO_SUCH_BUCKET: The specified bucket does not exist": "the bucket does not exist",
-        "curlCode: 7, Could not connect to server": "the store did not answer",
-        "Generic S3 error: Error after 2 retries ... error sending request": "the store did not answer",
+        "AWS Error NO_SUCH_BUCKET: The specified bucket does not exist": gone,
+        "curlCode: 7, Could not connect to server": silent,
+        "Generic S3 error: Error after 2 retries ... error sending request": silent,
         "Path does not exist 'bkt/run/x.parquet'": "no such object",
     }
     for message, cause in cases.items():
