@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from rlscope.cli import app
 from rlscope.errors import RlscopeError
+from rlscope.gates import snapshot_key
 from rlscope.reader import open_run
 from rlscope.store import (
     StorePath,
@@ -177,6 +178,11 @@ def test_every_command_reads_a_run_in_s3(
     for remote_args, local_args in pairs:
         remote = _normalised(_json(*remote_args), healthy, collapse)
         assert remote == _normalised(_json(*local_args), *local), remote_args[0]
+    # check --watch polls the bucket's listing: a file arriving changes it
+    listed = snapshot_key(healthy)
+    assert sorted(name for name, _, _ in listed) == sorted(
+        p.relative_to(HEALTHY).as_posix() for p in HEALTHY.rglob("*") if p.is_file()
+    )
     valid = _cli("validate", healthy)
     assert valid.exit_code == 0 and valid.stdout.startswith(f"{healthy}: valid format-v1 run")
     out = tmp_path / "report.html"
