@@ -36,6 +36,7 @@ from rlscope.store import (
     open_object,
     polars_options,
     read_object,
+    relative,
     store_error,
 )
 
@@ -397,7 +398,7 @@ def open_run(
     warnings: list[str] = []
     tables: dict[str, TableFiles] = {}
     footers: Mapping[str, Iterable[tuple[tuple[int, int, int], pq.FileMetaData]]] = {}
-    found: dict[str, list[RunPath] | None]
+    found: Mapping[str, Sequence[RunPath] | None]
     if isinstance(root, StorePath):
         meta, objects = _list_store_run(root)
         found = {
@@ -413,7 +414,7 @@ def open_run(
             )
         meta = _read_run_json(root)
         local = {name: _find_files(root, name, warnings) for name in TABLES}
-        found = dict(local)  # type: ignore[arg-type]
+        found = local
         footers = {name: _local_footers(files) for name, files in local.items() if files}
     for name, spec in TABLES.items():
         files = found[name]
@@ -495,8 +496,7 @@ def _list_store_run(root: StorePath) -> tuple[dict[str, Any], dict[str, list[Sto
         raise _no_run_json(root / RUN_JSON)
     meta = _parse_run_json(root / RUN_JSON, read_object(here[RUN_JSON].path))
     objects: dict[str, list[StoreObject]] = {}
-    for (name, folder), listed in zip(TABLES.items(), below, strict=True):
-        del folder
+    for name, listed in zip(TABLES, below, strict=True):
         single = here.get(f"{name}.parquet")
         inside = [
             o
@@ -607,7 +607,7 @@ def _inside(root: Path, path: Path, warnings: list[str]) -> bool:
 def _hive_values(folder: RunPath, path: RunPath) -> dict[str, str]:
     """`key=value` folder names between the table folder and the file."""
     try:
-        parts = path.relative_to(folder).parts[:-1]  # type: ignore[arg-type]
+        parts = relative(path, folder).parts[:-1]
     except ValueError:
         return {}
     return dict(part.split("=", 1) for part in parts if "=" in part)

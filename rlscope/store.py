@@ -78,6 +78,15 @@ class StorePath:
 RunPath = Path | StorePath
 
 
+def relative(path: RunPath, folder: RunPath) -> PurePosixPath | Path:
+    """`path` relative to `folder` (ValueError when it is not under it, or in another store)."""
+    if isinstance(path, StorePath) and isinstance(folder, StorePath):
+        return path.relative_to(folder)
+    if isinstance(path, Path) and isinstance(folder, Path):
+        return path.relative_to(folder)
+    raise ValueError(f"{path} is not under {folder}")
+
+
 def is_url(location: str | os.PathLike[str] | StorePath) -> bool:
     """Whether `location` is a URL (of a store, or file://) rather than a local path."""
     return isinstance(location, StorePath) or "://" in str(location)
