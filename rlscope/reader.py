@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -397,7 +398,7 @@ def open_run(
     root = location(path)
     warnings: list[str] = []
     tables: dict[str, TableFiles] = {}
-    footers: Mapping[str, Iterable[tuple[tuple[int, int, int], pq.FileMetaData]]] = {}
+    footers: Mapping[str, Iterable[Footer]] = {}
     found: Mapping[str, Sequence[RunPath] | None]
     if isinstance(root, StorePath):
         meta, objects = _list_store_run(root)
@@ -514,16 +515,28 @@ def _list_store_run(root: StorePath) -> tuple[dict[str, Any], dict[str, list[Sto
     return meta, objects
 
 
-def _store_footers(
-    objects: dict[str, list[StoreObject]],
-) -> dict[str, list[tuple[tuple[int, int, int], pq.FileMetaData]]]:
-    """Every object's footer and version, CONCURRENCY requests in flight at once."""
+#: What a file's footer says that the open keeps: (size, mtime_ns, inode or ETag digest), its
+#: rows and its schema.
+Footer = tuple[tuple[int, int, int], int, pa.Schema]
+
+
+def _store_footers(objects: dict[str, list[StoreObject]]) -> dict[str, list[Footer]]:
+    """Every object's footer and version, CONCURRENCY requests in flight at once; equal
+    schemas kept once (a run's thousands of files mostly share one)."""
     every = [o for listed in objects.values() for o in listed]
-    read = dict(zip((o.path for o in every), concurrently(_store_footer, every), strict=True))
+    schemas: dict[pa.Schema, pa.Schema] = {}
+    lock = threading.Lock()
+
+    def footer(found: StoreObject) -> Footer:
+        stat, rows, schema = _store_footer(found)
+        with lock:
+            return stat, rows, schemas.setdefault(schema, schema)
+
+    read = dict(zip((o.path for o in every), concurrently(footer, every), strict=True))
     return {name: [read[o.path] for o in listed] for name, listed in objects.items()}
 
 
-def _store_footer(found: StoreObject) -> tuple[tuple[int, int, int], pq.FileMetaData]:
+def _store_footer(found: StoreObject) -> Footer:
     if found.size == 0:
         raise RlscopeError(f"{found.path}: empty object (0 bytes)", hint="delete it or re-write it")
     handle, tag = open_object(found.path)
@@ -537,12 +550,10 @@ def _store_footer(found: StoreObject) -> tuple[tuple[int, int, int], pq.FileMeta
         ) from None
     except OSError as exc:
         raise store_error(found.path, exc) from None
-    return (found.size, found.mtime_ns, tag), footer
+    return (found.size, found.mtime_ns, tag), footer.num_rows, footer.schema.to_arrow_schema()
 
 
-def _local_footers(
-    files: list[Path],
-) -> Iterator[tuple[tuple[int, int, int], pq.FileMetaData]]:
+def _local_footers(files: list[Path]) -> Iterator[Footer]:
     for path in files:
         try:
             stat = _stat(path)
@@ -550,7 +561,8 @@ def _local_footers(
             raise RlscopeError(
                 f"{path}: removed while the run was being opened", hint="re-run"
             ) from None
-        yield stat, _footer(path, stat[0])
+        footer = _footer(path, stat[0])
+        yield stat, footer.num_rows, footer.schema.to_arrow_schema()
 
 
 def _find_files(root: Path, name: str, warnings: list[str]) -> list[Path] | None:
@@ -649,7 +661,7 @@ def _validate_table(
     root: RunPath,
     name: str,
     files: Sequence[RunPath],
-    footers: Iterable[tuple[tuple[int, int, int], pq.FileMetaData]],
+    footers: Iterable[Footer],
     warnings: list[str],
 ) -> TableFiles:
     spec = TABLES[name]
@@ -662,11 +674,10 @@ def _validate_table(
     # with a bad type is the one named).
     checked: dict[pa.Schema, dict[str, pl.DataType]] = {}
     n_rows = 0
-    for path, (stat, footer) in zip(files, footers, strict=True):
+    for path, (stat, rows, arrow) in zip(files, footers, strict=True):
         file_stats.append(stat)
-        n_rows += footer.num_rows
-        file_rows.append(footer.num_rows)
-        arrow = footer.schema.to_arrow_schema()
+        n_rows += rows
+        file_rows.append(rows)
         schema = checked.get(arrow)
         if schema is None:
             schema = checked[arrow] = _polars_schema(path, arrow, spec)
