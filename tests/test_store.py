@@ -6,7 +6,10 @@ server that dies mid-read each end in exit 2 naming the URL, never a traceback."
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -215,6 +218,26 @@ def test_from_imports_read_a_source_in_s3_into_the_cache(
     before = {p: p.stat().st_mtime_ns for p in copies.rglob("*.parquet")}
     _json("analyze", folder, "--from", "trl", "--fail-on", "never")
     assert before and {p: p.stat().st_mtime_ns for p in copies.rglob("*.parquet")} == before
+
+
+def test_no_boto3_is_needed_to_read_a_store(
+    store: S3Server, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """boto3 is a test dependency only: rlscope reads S3 with pyarrow and Polars alone."""
+    url = store.upload(HEALTHY, _bucket(request), "runs/healthy")
+    code = (
+        "import sys\n"
+        "sys.modules['boto3'] = sys.modules['botocore'] = None  # an import of either fails\n"
+        "from rlscope.cli import main\n"
+        f"sys.argv = ['rlscope', 'analyze', {url!r}, '--format', 'json', '--no-cache']\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ)
+    )
+    assert done.returncode == 0, done.stderr
+    on_disk = _json("analyze", str(HEALTHY), "--no-cache")
+    assert _normalised(json.loads(done.stdout)) == _normalised(on_disk)
 
 
 # The cache keyed by what the store says.
