@@ -99,14 +99,16 @@ samples: $(STAMP)
 # Generates 10M / 100M / 1B-token runs, a 200M-token run in four file layouts, text runs of
 # 100k-5M responses and two 200-step runs into .bench/ on first use (~30 GB, ~30 min), then
 # times analyze against a bare scan and DuckDB, the layouts, the text metrics, incremental
-# re-analysis and the report, and imports a 100k-step x 200-key W&B history (written once by
-# wandb, ~3 min, 1.6 GB): expect ~1 h in all on 2 cores.
+# re-analysis and the report, a run on disk against the same run in a local S3 server, and
+# imports a 100k-step x 200-key W&B history (written once by wandb, ~3 min, 1.6 GB): expect
+# ~1 h in all on 2 cores.
 bench: $(STAMP) $(TRL_STAMP)
 	$(BIN)/python benchmarks/bench_analyze.py
 	$(BIN)/python benchmarks/bench_text.py
 	$(BIN)/python benchmarks/bench_report.py
 	$(BIN)/python benchmarks/bench_live.py
 	$(BIN)/python benchmarks/bench_wandb.py
+	$(BIN)/python benchmarks/bench_store.py --tokens 5000000
 	RLSCOPE_TRL_PYTHON=$(CURDIR)/$(TRL_VENV)/bin/python $(BIN)/python benchmarks/bench_probe.py
 
 # The scorecard: a corpus of genuine runs (real trainers on CPU, each fault by its mechanism,

@@ -51,7 +51,9 @@ def analyze(
 
         options = dict(import_options or {})
         out = import_cache_dir(from_format, path, options, root=cache_dir)
-        imported = import_run(from_format, path, out, progress=progress, **options)
+        imported = import_run(
+            from_format, path, out, progress=progress, cache_dir=cache_dir, **options
+        )
         import_notes = [f"imported from {from_format} {path} into {out}", *imported.notes]
         import_notes += [f"import warning: {w}" for w in imported.warnings]
         path = out

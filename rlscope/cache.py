@@ -17,6 +17,7 @@ from rlscope._version import __version__
 from rlscope.atomic import atomic_write
 from rlscope.exactsum import ENGINE
 from rlscope.reader import Run
+from rlscope.store import RunPath, StorePath, location
 from rlscope.tokenscan import (
     FILE_ID,
     LEVEL_KEYS,
@@ -58,10 +59,12 @@ def import_cache_dir(
     """The run directory an `analyze --from FORMAT SOURCE` converts into: one per source path,
     format, import options and importer revision, so a different source or option, or an
     rlscope whose importers changed, never reuses a stale import."""
+    where = location(source)
+    where = where if isinstance(where, StorePath) else where.resolve()
     key = json.dumps(
         {
             "format": format,
-            "source": str(Path(source).resolve()),
+            "source": str(where),
             "options": options,
             "revision": IMPORT_REVISION,
         },
@@ -69,7 +72,13 @@ def import_cache_dir(
         default=str,
     )
     digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
-    return cache_root(root) / "imports" / f"{Path(source).resolve().name}-{format}-{digest}"
+    return cache_root(root) / "imports" / f"{where.name}-{format}-{digest}"
+
+
+def store_copy_dir(source: StorePath, *, root: str | os.PathLike[str] | None = None) -> Path:
+    """Where a `--from` source in a store is copied for its importer (see `store.mirror`)."""
+    digest = hashlib.blake2b(str(source).encode(), digest_size=8).hexdigest()
+    return cache_root(root) / "store-sources" / f"{source.name}-{digest}"
 
 
 #: Bumped whenever what a store holds is written differently (the MANIFEST's `format`, with
@@ -264,7 +273,7 @@ class Parts:
 
 
 def file_key(
-    path: Path, stat: tuple[int, int, int], schema: Mapping[str, Any], hive: Mapping[str, str]
+    path: RunPath, stat: tuple[int, int, int], schema: Mapping[str, Any], hive: Mapping[str, str]
 ) -> str:
     """A file's cache key: its resolved path, size, mtime, inode and the types and hive values
     it is read with, so a rewritten or replaced file is never served stale."""

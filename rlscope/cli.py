@@ -83,7 +83,7 @@ SchedulerOption = Annotated[
     typer.Option(
         help="Run the token map on this cluster: a Dask scheduler (tcp://HOST:8786) or a Ray "
         "head's client server (ray://HOST:10001); default: $RLSCOPE_SCHEDULER, else in process. "
-        "Workers must see the run's files at the same paths.",
+        "Workers must see the run's files at the same paths, or read its URL themselves.",
         metavar="ADDRESS",
     ),
 ]
@@ -222,7 +222,12 @@ def _progress(what: str) -> Iterator[Callable[[int, int], None] | None]:
 @app.command()
 def analyze(
     run: Annotated[
-        Path, typer.Argument(help="Run directory (run.json + Parquet tables).", metavar="RUN")
+        str,
+        typer.Argument(
+            help="Run directory (run.json + Parquet tables), or its URL (s3://, gs://, az://, "
+            "hf://).",
+            metavar="RUN",
+        ),
     ],
     format: Annotated[
         str, typer.Option("--format", "-f", help="text or json.", metavar="FORMAT")
@@ -268,6 +273,8 @@ def analyze(
       rlscope analyze sample_logs/healthy
 
       rlscope analyze runs/r1 --format json --steps 100:500 > r1.json
+
+      rlscope analyze s3://bucket/runs/r1   # read in place (AWS_* credentials, ~/.aws)
 
       rlscope analyze runs/r1 --fail-on warn   # exit 1 on any warning (CI)
 
@@ -318,7 +325,7 @@ def analyze(
 
 @app.command()
 def validate(
-    run: Annotated[Path, typer.Argument(help="Run directory to check.", metavar="RUN")],
+    run: Annotated[str, typer.Argument(help="Run directory or URL to check.", metavar="RUN")],
 ) -> None:
     """Check a run directory's layout, run.json and every file's schema.
 
@@ -431,7 +438,7 @@ def explain(
 
 @app.command()
 def show(
-    run: Annotated[Path, typer.Argument(help="Run directory.", metavar="RUN")],
+    run: Annotated[str, typer.Argument(help="Run directory or URL.", metavar="RUN")],
     rollout_id: Annotated[
         int, typer.Argument(help="The rollout_id to open.", metavar="ROLLOUT_ID")
     ],
@@ -479,7 +486,7 @@ def show(
         render_rollout(view, _stdout())
 
 
-def _require_rollouts(path: Path) -> None:
+def _require_rollouts(path: str) -> None:
     """A clear error for a run with step metrics only (no rollouts table)."""
     from rlscope.reader import open_run
 
@@ -488,7 +495,7 @@ def _require_rollouts(path: Path) -> None:
 
 @app.command("rollouts")
 def rollouts_command(
-    run: Annotated[Path, typer.Argument(help="Run directory.", metavar="RUN")],
+    run: Annotated[str, typer.Argument(help="Run directory or URL.", metavar="RUN")],
     finding: Annotated[
         str | None,
         typer.Option(help="A finding id: the rollouts its evidence names.", metavar="ID"),
@@ -612,10 +619,14 @@ def import_command(
         ),
     ],
     source: Annotated[
-        Path, typer.Argument(help="The trainer's output (read, never written).", metavar="SOURCE")
+        str,
+        typer.Argument(
+            help="The trainer's output, a path or a URL (read, never written).", metavar="SOURCE"
+        ),
     ],
     out: Annotated[
-        Path, typer.Argument(help="The format-v1 run directory to write or extend.", metavar="OUT")
+        str,
+        typer.Argument(help="The format-v1 run directory to write or extend.", metavar="OUT"),
     ],
     option: Annotated[
         list[str] | None,
@@ -674,7 +685,7 @@ def import_command(
     from rlscope.importers import import_run
 
     try:
-        options: dict[str, object] = dict(
+        options: dict[str, Any] = dict(
             parse_pairs(with_legacy(option, legacy_option) or [], "--option")
         )
         if reward_column:
@@ -725,9 +736,10 @@ def formats(
 @app.command()
 def compare(
     runs: Annotated[
-        list[Path],
+        list[str],
         typer.Argument(
-            help="Two or more run directories; the first is the baseline.", metavar="RUN..."
+            help="Two or more run directories or URLs; the first is the baseline.",
+            metavar="RUN...",
         ),
     ],
     format: Annotated[
@@ -818,10 +830,11 @@ CHECK_FORMATS = ("text", "json", "junit", "github", "markdown")
 @app.command()
 def check(
     run: Annotated[
-        Path, typer.Argument(help="Run directory to check (may still be written).", metavar="RUN")
+        str,
+        typer.Argument(help="Run directory or URL to check (may still be written).", metavar="RUN"),
     ],
     baseline: Annotated[
-        Path | None,
+        str | None,
         typer.Option(help="Baseline run for relative gates (max_drop, max_rise).", metavar="RUN"),
     ] = None,
     gates: Annotated[
@@ -954,7 +967,7 @@ def check(
 @app.command()
 def probe(
     run: Annotated[
-        Path,
+        str,
         typer.Argument(help="Run directory (or, with --from, a trainer's output).", metavar="RUN"),
     ],
     endpoint: Annotated[
@@ -1097,14 +1110,14 @@ def probe(
             give_up_after=give_up_after,
             tags=load_config(config).text.tags,
         )
-        path = run
+        path: str | Path = run
         if from_format is not None:
             from rlscope.cache import import_cache_dir
             from rlscope.importers import import_run
 
             options: dict[str, Any] = dict(import_options(from_format, option))
             path = import_cache_dir(from_format, run, options, root=cache_dir)
-            import_run(from_format, run, path, **options)
+            import_run(from_format, run, path, cache_dir=cache_dir, **options)
         with _progress(f"probing {run}") as progress:
             summary = probe_run(path, settings, dry_run=dry_run, progress=progress)
     except RlscopeError as exc:
@@ -1127,7 +1140,8 @@ def _fractions(text: str | None) -> tuple[float, ...]:
 @app.command()
 def report(
     runs: Annotated[
-        list[Path], typer.Argument(help="One or more run directories (overlaid).", metavar="RUN...")
+        list[str],
+        typer.Argument(help="One or more run directories or URLs (overlaid).", metavar="RUN..."),
     ],
     output: Annotated[
         Path,

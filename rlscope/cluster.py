@@ -41,8 +41,9 @@ def scheduler_mapper(address: str | None) -> Mapper | None:
     """A Mapper running the per-file token reduction on the cluster at `address` (else
     RLSCOPE_SCHEDULER's): a Dask scheduler (`tcp://HOST:8786`) or, for `ray://HOST:PORT`, a Ray
     cluster through Ray Client; None when neither names one: the map then runs in process. The
-    workers must see the run's files at the same paths (a shared filesystem); the partials come
-    back to the driver, which merges and caches them as in process."""
+    workers read the run's files themselves: at the same paths (a shared filesystem), or, for a
+    run in a store (s3://...), from the store with their own environment's credentials; only
+    the partials come back to the driver, which merges and caches them as in process."""
     address = address or os.environ.get(SCHEDULER_ENV) or None
     if address is None:
         return None
@@ -79,7 +80,8 @@ def _dask_mapper(address: str) -> Mapper:
                     exc,
                     [chunks[i] for i in failed],
                     hint="check the workers' logs (a task whose workers died on every attempt "
-                    "ends as KilledWorker) and that they see these files at the same paths",
+                    "ends as KilledWorker) and that they see these files at the same paths (or, "
+                    "for a store's URL, have its credentials and endpoint in their environment)",
                 ) from None
 
     return mapper
@@ -121,7 +123,8 @@ def _ray_mapper(address: str) -> Mapper:
                     [chunks[i] for i in _ray_failed(refs)],
                     hint="check the workers' logs (on the head: ray logs, or "
                     "/tmp/ray/session_latest/logs) and that they see these files at the "
-                    "same paths",
+                    "same paths (or, for a store's URL, have its credentials and endpoint in "
+                    "their environment)",
                 ) from None
 
     return mapper

@@ -14,6 +14,7 @@ from rlscope.config import Config, _read, load_config
 from rlscope.errors import RlscopeError
 from rlscope.report import Report, json_safe
 from rlscope.spec import SEVERITIES, Finding, severity_rank
+from rlscope.store import StorePath, list_folder, location
 from rlscope.tokenscan import Mapper
 
 FAIL_LEVELS = (*SEVERITIES, "never")
@@ -359,7 +360,14 @@ def check(
 
 def snapshot_key(path: str | os.PathLike[str]) -> tuple[tuple[str, int, int], ...]:
     """The run directory's visible files (name, size, mtime): it changes when a file arrives."""
-    root = Path(path)
+    root = location(path)
+    if isinstance(root, StorePath):
+        listed = [(o.path.relative_to(root), o) for o in list_folder(root, recursive=True) or []]
+        return tuple(
+            (str(rel), o.size, o.mtime_ns)
+            for rel, o in listed
+            if not any(part.startswith((".", "_")) for part in rel.parts)
+        )
     entries = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith((".", "_"))]

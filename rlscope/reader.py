@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,21 @@ import pyarrow.parquet as pq
 from rlscope.errors import RlscopeError
 from rlscope.report import run_provenance
 from rlscope.schema import RUN_FIELDS, RUN_JSON, SCHEMA_VERSION, TABLES, Column, Table, type_name
+from rlscope.store import (
+    RunPath,
+    StoreObject,
+    StorePath,
+    arrow_source,
+    concurrently,
+    list_folder,
+    list_folders,
+    location,
+    open_object,
+    polars_options,
+    read_object,
+    relative,
+    store_error,
+)
 
 _INT_TYPES = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
 _FLOAT_TYPES = (pl.Float32, pl.Float64)
@@ -58,13 +74,14 @@ class TableFiles:
     """A table's Parquet files and the unified schema rlscope reads them with."""
 
     name: str
-    files: tuple[Path, ...]
+    files: tuple[RunPath, ...]
     file_schemas: tuple[dict[str, pl.DataType], ...]
     schema: dict[str, pl.DataType]
     n_rows: int
     # Per file, values from hive-style folders (`step=000100/`) for columns the file lacks.
     file_hive: tuple[dict[str, str], ...] = ()
-    # Per file, (size, mtime_ns, inode) when the run was opened: the snapshot that is read.
+    # Per file, (size, mtime_ns, inode) when the run was opened: the snapshot that is read. An
+    # object in a store: (size, mtime_ns, a digest of its ETag or generation).
     file_stats: tuple[tuple[int, int, int], ...] = ()
     # Per file, its rows (from the footer).
     file_rows: tuple[int, ...] = ()
@@ -78,7 +95,7 @@ class TableFiles:
 class Run:
     """A validated run directory: run.json and its tables, scanned lazily on demand."""
 
-    path: Path
+    path: RunPath
     meta: dict[str, Any]
     tables: dict[str, TableFiles]
     warnings: tuple[str, ...] = ()
@@ -175,6 +192,7 @@ class Run:
                 hive_partitioning=False,
                 glob=False,
                 include_file_paths=named,
+                storage_options=polars_options(self.path),
             )
             exprs = conform(files.schema, dict(signature), dict(hive), invalid_flags=invalid_flags)
             if file_index:
@@ -248,18 +266,22 @@ class Run:
 
     def check_unchanged(self) -> None:
         """Raise if a file of the snapshot taken at open was removed or rewritten since."""
+        # A store's listing (one per folder) says each object's size and time, not its ETag.
+        listed = _listed_stats(self) if isinstance(self.path, StorePath) else {}
         for files in self.tables.values():
             for path, stat in zip(files.files, files.file_stats, strict=False):
                 try:
-                    now = _stat(path)
-                except OSError:
+                    now: tuple[int, ...] = (
+                        listed[str(path)] if isinstance(path, StorePath) else _stat(path)
+                    )
+                except (OSError, KeyError):
                     raise RlscopeError(
                         f"{path}: removed while the run was being read (the run's files are "
                         "listed once, when it is opened)",
                         hint="re-run to analyse the files present now; RunWriter never removes "
                         "a finished file",
                     ) from None
-                if now != stat:
+                if now != stat[: len(now)]:
                     raise RlscopeError(
                         f"{path}: rewritten while the run was being read (size or mtime changed)",
                         hint="re-run; a writer should write a new file under a temporary name "
@@ -285,9 +307,21 @@ def _stat(path: Path) -> tuple[int, int, int]:
     return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-def _locate_in_file(path: Path, columns: list[str]) -> str | None:
+def _listed_stats(run: Run) -> dict[str, tuple[int, int]]:
+    """Each listed object's (size, mtime_ns) in the run's table folders, as listed now."""
+    root = run.path
+    assert isinstance(root, StorePath)
+    folders = [root / name for name in run.tables]
+    listed: list[StoreObject] = list_folder(root, recursive=False) or []
+    for found in list_folders(folders):
+        listed += found or []
+    return {str(o.path): (o.size, o.mtime_ns) for o in listed}
+
+
+def _locate_in_file(path: RunPath, columns: list[str]) -> str | None:
     try:
-        parquet = pq.ParquetFile(path)
+        source, filesystem = arrow_source(path)
+        parquet = pq.ParquetFile(source, filesystem=filesystem)
     except (pa.ArrowException, OSError) as exc:
         return f"{path}: not a readable Parquet file ({exc})"
     start = 0
@@ -307,9 +341,9 @@ def _locate_in_file(path: Path, columns: list[str]) -> str | None:
     return None
 
 
-def _group_by_signature(files: TableFiles) -> dict[tuple, list[Path]]:
+def _group_by_signature(files: TableFiles) -> dict[tuple, list[RunPath]]:
     """Files that can share one scan: same column types and same hive-filled values."""
-    groups: dict[tuple, list[Path]] = {}
+    groups: dict[tuple, list[RunPath]] = {}
     hive = files.file_hive or tuple({} for _ in files.files)
     for path, schema, values in zip(files.files, files.file_schemas, hive, strict=True):
         groups.setdefault((tuple(schema.items()), tuple(values.items())), []).append(path)
@@ -361,15 +395,28 @@ def open_run(
     """Validate a run directory's layout, run.json and every file's schema (footers only) and,
     unless told not to (`analyze` checks them from each file's index), the rollouts' ids and
     values (`check_rollouts`)."""
-    root = Path(path)
-    if not root.exists():
-        raise RlscopeError(f"{root}: no such run directory")
-    if not root.is_dir():
-        raise RlscopeError(f"{root}: not a directory", hint="pass the run directory, not a file")
-    meta = _read_run_json(root)
+    root = location(path)
     warnings: list[str] = []
     tables: dict[str, TableFiles] = {}
-    found = {name: _find_files(root, name, warnings) for name in TABLES}
+    footers: Mapping[str, Iterable[Footer]] = {}
+    found: Mapping[str, Sequence[RunPath] | None]
+    if isinstance(root, StorePath):
+        meta, objects = _list_store_run(root)
+        found = {
+            name: [o.path for o in listed] if listed else None for name, listed in objects.items()
+        }
+        footers = _store_footers(objects)
+    else:
+        if not root.exists():
+            raise RlscopeError(f"{root}: no such run directory")
+        if not root.is_dir():
+            raise RlscopeError(
+                f"{root}: not a directory", hint="pass the run directory, not a file"
+            )
+        meta = _read_run_json(root)
+        local = {name: _find_files(root, name, warnings) for name in TABLES}
+        found = local
+        footers = {name: _local_footers(files) for name, files in local.items() if files}
     for name, spec in TABLES.items():
         files = found[name]
         if files is None:
@@ -382,7 +429,7 @@ def open_run(
                     "only, a steps table); see schemas/run-format-v1.json",
                 )
             continue
-        tables[name] = _validate_table(root, name, files, warnings)
+        tables[name] = _validate_table(root, name, files, footers[name], warnings)
     run = Run(root, meta, tables, (), steps, rollouts_checked=check_rollouts)
     if "rollouts" in tables and check_rollouts:
         warnings += check_rollouts_scan(run)
@@ -392,13 +439,21 @@ def open_run(
 def _read_run_json(root: Path) -> dict[str, Any]:
     path = root / RUN_JSON
     if not path.is_file():
-        raise RlscopeError(
-            f"{path}: missing",
-            hint='a run directory needs run.json, e.g. {"schema_version": 1, "run_id": "r1", '
-            '"algorithm": "GRPO"}',
-        )
+        raise _no_run_json(path)
+    return _parse_run_json(path, path.read_bytes())
+
+
+def _no_run_json(path: RunPath) -> RlscopeError:
+    return RlscopeError(
+        f"{path}: missing",
+        hint='a run directory needs run.json, e.g. {"schema_version": 1, "run_id": "r1", '
+        '"algorithm": "GRPO"}',
+    )
+
+
+def _parse_run_json(path: RunPath, data: bytes) -> dict[str, Any]:
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RlscopeError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(meta, dict):
@@ -425,6 +480,89 @@ def _read_run_json(root: Path) -> dict[str, Any]:
         if spec.json_type in ("integer", "number") and spec.name != "schema_version" and negative:
             raise RlscopeError(f"{path}: field `{spec.name}` must not be negative, got {value!r}")
     return meta
+
+
+def _list_store_run(root: StorePath) -> tuple[dict[str, Any], dict[str, list[StoreObject]]]:
+    """A run in a store: its run.json and each table's objects (the run's folder and each
+    table's folder listed at once), with the layout rules of a local run."""
+    folders = [root, *(root / name for name in TABLES)]
+    top, *below = concurrently(lambda f: list_folder(f, recursive=f != root), folders)
+    here = {o.path.name: o for o in top or []}
+    if RUN_JSON not in here:
+        if not top and not any(below):
+            raise RlscopeError(
+                f"{root}: no such run (no object under this prefix)",
+                hint="check the URL: the run's folder holds run.json and the tables",
+            )
+        raise _no_run_json(root / RUN_JSON)
+    meta = _parse_run_json(root / RUN_JSON, read_object(here[RUN_JSON].path))
+    objects: dict[str, list[StoreObject]] = {}
+    for name, listed in zip(TABLES, below, strict=True):
+        single = here.get(f"{name}.parquet")
+        inside = [
+            o
+            for o in listed or []
+            if o.path.name.endswith(".parquet")
+            and not any(
+                part.startswith((".", "_")) for part in o.path.relative_to(root / name).parts
+            )
+        ]
+        if single is not None and inside:
+            raise RlscopeError(
+                f"{root}: both {name}.parquet and {name}/ exist", hint="keep one layout per table"
+            )
+        objects[name] = [single] if single is not None else inside
+    return meta, objects
+
+
+#: What a file's footer says that the open keeps: (size, mtime_ns, inode or ETag digest), its
+#: rows and its schema.
+Footer = tuple[tuple[int, int, int], int, pa.Schema]
+
+
+def _store_footers(objects: dict[str, list[StoreObject]]) -> dict[str, list[Footer]]:
+    """Every object's footer and version, CONCURRENCY requests in flight at once; equal
+    schemas kept once (a run's thousands of files mostly share one)."""
+    every = [o for listed in objects.values() for o in listed]
+    schemas: dict[pa.Schema, pa.Schema] = {}
+    lock = threading.Lock()
+
+    def footer(found: StoreObject) -> Footer:
+        stat, rows, schema = _store_footer(found)
+        with lock:
+            return stat, rows, schemas.setdefault(schema, schema)
+
+    read = dict(zip((o.path for o in every), concurrently(footer, every), strict=True))
+    return {name: [read[o.path] for o in listed] for name, listed in objects.items()}
+
+
+def _store_footer(found: StoreObject) -> Footer:
+    if found.size == 0:
+        raise RlscopeError(f"{found.path}: empty object (0 bytes)", hint="delete it or re-write it")
+    handle, tag = open_object(found.path)
+    try:
+        with handle:
+            footer = pq.read_metadata(handle)
+    except pa.ArrowInvalid as exc:
+        raise RlscopeError(
+            f"{found.path}: not a readable Parquet file ({exc})",
+            hint="an object cut mid-write has no footer; delete it or re-write it",
+        ) from None
+    except OSError as exc:
+        raise store_error(found.path, exc) from None
+    return (found.size, found.mtime_ns, tag), footer.num_rows, footer.schema.to_arrow_schema()
+
+
+def _local_footers(files: list[Path]) -> Iterator[Footer]:
+    for path in files:
+        try:
+            stat = _stat(path)
+        except FileNotFoundError:
+            raise RlscopeError(
+                f"{path}: removed while the run was being opened", hint="re-run"
+            ) from None
+        footer = _footer(path, stat[0])
+        yield stat, footer.num_rows, footer.schema.to_arrow_schema()
 
 
 def _find_files(root: Path, name: str, warnings: list[str]) -> list[Path] | None:
@@ -478,10 +616,10 @@ def _inside(root: Path, path: Path, warnings: list[str]) -> bool:
     return True
 
 
-def _hive_values(folder: Path, path: Path) -> dict[str, str]:
+def _hive_values(folder: RunPath, path: RunPath) -> dict[str, str]:
     """`key=value` folder names between the table folder and the file."""
     try:
-        parts = path.relative_to(folder).parts[:-1]
+        parts = relative(path, folder).parts[:-1]
     except ValueError:
         return {}
     return dict(part.split("=", 1) for part in parts if "=" in part)
@@ -506,7 +644,7 @@ def _footer(path: Path, size: int) -> pq.FileMetaData:
         ) from None
 
 
-def _polars_schema(path: Path, arrow: pa.Schema, spec: Table) -> dict[str, pl.DataType]:
+def _polars_schema(path: RunPath, arrow: pa.Schema, spec: Table) -> dict[str, pl.DataType]:
     """The file's columns as Polars types, each of the table's columns checked."""
     try:
         schema = dict(pl.from_arrow(arrow.empty_table()).schema)  # type: ignore[union-attr]
@@ -519,7 +657,13 @@ def _polars_schema(path: Path, arrow: pa.Schema, spec: Table) -> dict[str, pl.Da
     return schema
 
 
-def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str]) -> TableFiles:
+def _validate_table(
+    root: RunPath,
+    name: str,
+    files: Sequence[RunPath],
+    footers: Iterable[Footer],
+    warnings: list[str],
+) -> TableFiles:
     spec = TABLES[name]
     folder = root / name
     file_schemas: list[dict[str, pl.DataType]] = []
@@ -530,17 +674,10 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
     # with a bad type is the one named).
     checked: dict[pa.Schema, dict[str, pl.DataType]] = {}
     n_rows = 0
-    for path in files:
-        try:
-            file_stats.append(_stat(path))
-        except FileNotFoundError:
-            raise RlscopeError(
-                f"{path}: removed while the run was being opened", hint="re-run"
-            ) from None
-        footer = _footer(path, file_stats[-1][0])
-        n_rows += footer.num_rows
-        file_rows.append(footer.num_rows)
-        arrow = footer.schema.to_arrow_schema()
+    for path, (stat, rows, arrow) in zip(files, footers, strict=True):
+        file_stats.append(stat)
+        n_rows += rows
+        file_rows.append(rows)
         schema = checked.get(arrow)
         if schema is None:
             schema = checked[arrow] = _polars_schema(path, arrow, spec)
@@ -611,7 +748,7 @@ def _validate_table(root: Path, name: str, files: list[Path], warnings: list[str
     )
 
 
-def _check_hive_value(path: Path, column: Column, value: str) -> None:
+def _check_hive_value(path: RunPath, column: Column, value: str) -> None:
     try:
         pl.Series([value]).cast(column.dtype, strict=True)
     except pl.exceptions.PolarsError:
@@ -620,7 +757,7 @@ def _check_hive_value(path: Path, column: Column, value: str) -> None:
         ) from None
 
 
-def _check_type(path: Path, column: Column, dtype: pl.DataType) -> None:
+def _check_type(path: RunPath, column: Column, dtype: pl.DataType) -> None:
     want = column.dtype
     ok: bool
     if isinstance(want, pl.Int64 | pl.Int32):

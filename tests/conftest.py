@@ -195,3 +195,16 @@ def check_series() -> CheckSeries:
         assert _close(result.value, summary, rel, abs), (result.id, result.value, summary)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def s3() -> Any:
+    """A real S3 API (moto's server, tests/s3server.py) on 127.0.0.1 for the session (per
+    xdist worker): upload a run with `s3.upload(folder, bucket, prefix)`, point rlscope at it
+    with `s3.env`."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("boto3")
+    from s3server import s3_server
+
+    with s3_server() as server:
+        yield server

@@ -14,8 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import suppress
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -260,8 +260,15 @@ def test_a_worker_that_dies_on_every_attempt_is_one_error_naming_its_files(
 
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[tuple[str, Path]]:
+    with ray_head_started() as started:
+        yield started
+
+
+@contextmanager
+def ray_head_started(env: Mapping[str, str] | None = None) -> Iterator[tuple[str, Path]]:
     """A real Ray head on 127.0.0.1 (`ray start --head --block`, two CPUs, no dashboard) in a
-    process group of its own, killed at teardown: its Ray client address and its temp dir."""
+    process group of its own, killed at the end: its Ray client address and its temp dir. Its
+    workers have this process' environment and `env`."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'rlscope[ray]')")
     # Short: Ray's socket paths under it must fit in 107 bytes.
     temp = Path(tempfile.mkdtemp(prefix="rlray-"))
@@ -295,7 +302,7 @@ def ray_head() -> Iterator[tuple[str, Path]]:
         # Without it, the server the head's client server starts for a connection (a fork of a
         # process running gRPC) crashed right away in 3 of 10 first connections (a segfault in
         # cygrpc; Ray 2.60, grpcio 1.85), and the connection failed: in none of 10 with it.
-        env={**os.environ, "GRPC_ENABLE_FORK_SUPPORT": "false"},
+        env={**os.environ, **(env or {}), "GRPC_ENABLE_FORK_SUPPORT": "false"},
     )
     try:
         deadline = time.monotonic() + 120

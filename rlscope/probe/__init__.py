@@ -41,6 +41,7 @@ from rlscope.probe.client import (
     Usage,
 )
 from rlscope.reader import Run, open_run
+from rlscope.store import RunPath, location
 from rlscope.tablewriter import TableWriter
 from rlscope.text import TagSet
 
@@ -250,9 +251,20 @@ def _probes(chain: iv.Chain, settings: ProbeSettings, has_hint: bool) -> list[Pr
     return list(out.values())
 
 
+def _local(where: RunPath) -> Path:
+    """The run's directory: probes are appended to the run, never written into a store."""
+    if not isinstance(where, Path):
+        raise RlscopeError(
+            f"{where}: `rlscope probe` appends the probes to the run, and rlscope never "
+            "writes into a store",
+            hint="copy the run to a local directory (e.g. aws s3 sync URL DIR) and probe that",
+        )
+    return where
+
+
 def plan_probes(run: Run, settings: ProbeSettings) -> tuple[list[Target], ProbeSummary]:
     """The rollouts to probe and their probes still missing, and the summary of that plan."""
-    summary = ProbeSummary(run.path, settings.model)
+    summary = ProbeSummary(_local(run.path), settings.model)
     context = _context_columns(run)
     if not run.has("rollouts", "answer", "response"):
         raise RlscopeError(
@@ -278,7 +290,7 @@ def plan_probes(run: Run, settings: ProbeSettings) -> tuple[list[Target], ProbeS
             hint="the answer is what a probe's answer is compared with: log `answer`, or use "
             "an importer that extracts it (<answer>…</answer>, \\boxed{…}, `Answer: X`)",
         )
-    targets = targets_of(frame, settings, _already(run, settings.model), summary, run.path)
+    targets = targets_of(frame, settings, _already(run, settings.model), summary, _local(run.path))
     summary.estimated_prompt_tokens = int(
         sum(_context_words(t) * len(t.probes) for t in targets) * TOKENS_PER_WORD
     )
@@ -625,13 +637,13 @@ def probe_run(
     `settings.give_up_after` seconds is given up on: what was answered is written, then an
     RlscopeError says which server and how many probes are left. With `dry_run`, only plans."""
     started = time.monotonic()
-    run = open_run(path, steps=settings.steps)
+    run = open_run(_local(location(path)), steps=settings.steps)
     targets, summary = plan_probes(run, settings)
     summary.dry_run = dry_run
     if dry_run or not targets:
         summary.seconds = time.monotonic() - started
         return summary
-    writer = TableWriter(run.path, rank=PROBE_RANK, flush_rows={"probes": FLUSH_PROBES})
+    writer = TableWriter(_local(run.path), rank=PROBE_RANK, flush_rows={"probes": FLUSH_PROBES})
     gone: ServerGone | None = None
     try:
         run_coroutine(_ask_all(targets, settings, writer, summary, progress))

@@ -25,6 +25,7 @@ from rlscope.render.svg import escape as _e
 from rlscope.render.terminal import format_value, summary_line
 from rlscope.report import PART_HEADINGS, MetricResult, Report, policy_first, run_provenance
 from rlscope.spec import LAYERS, Finding
+from rlscope.store import is_url
 from rlscope.tokenscan import Mapper
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
@@ -825,7 +826,7 @@ def write_report(
         raise RlscopeError(f"--smooth {smooth}: a window of 0 (none) or more steps")
     out = Path(output)
     for path in paths:
-        if _inside(out, Path(path)):
+        if not is_url(path) and _inside(out, Path(path)):
             raise RlscopeError(
                 f"{out}: inside the run directory {path}", hint="rlscope never writes into a run"
             )

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -18,6 +17,7 @@ import pyarrow.parquet as pq
 
 from rlscope.exactsum import ENGINE
 from rlscope.reader import INVALID_PREFIX, Run
+from rlscope.store import RunPath, arrow_source, polars_options
 from rlscope.tokenscan import limits
 from rlscope.tokenscan.plan import (
     _KEY_TYPES,
@@ -48,7 +48,8 @@ def pieces(files: list[TokenFile]) -> list[TokenFile]:
         if file.row_groups is not None or file.stat[0] <= limits.PIECE_FILE_BYTES:
             out.append(file)
             continue
-        meta = pq.read_metadata(file.path)
+        source, filesystem = arrow_source(file.path)
+        meta = pq.read_metadata(source, filesystem=filesystem)
         groups: list[list[int]] = [[]]
         rows = 0
         for index in range(meta.num_row_groups):
@@ -170,18 +171,25 @@ def _reads(files: list[TokenFile]) -> Iterator[tuple[int | None, pl.DataFrame]]:
             continue
         pool = files[i:j]
         paths = {str(f.path): i + k for k, f in enumerate(pool)}
+        options = polars_options(pool[0].path)  # a run's files are in one store
         present = [c for c in pool[0].target if c in pool[0].schema]
         counts = [f.rows for f in pool if f.rows is not None]
         if len(counts) < len(pool):
             scan = pl.scan_parquet(
-                list(paths), include_file_paths=FILE, hive_partitioning=False, glob=False
+                list(paths),
+                include_file_paths=FILE,
+                hive_partitioning=False,
+                glob=False,
+                storage_options=options,
             )
             files_of = pl.col(FILE).replace_strict(paths, return_dtype=pl.Int32)
             yield None, scan.select(*present, files_of).collect()
         else:
             # Each row's file from the files' row counts (their footers, read at open): no
             # path per row to write and map (half the cost of reading 10k-row files).
-            scan = pl.scan_parquet(list(paths), hive_partitioning=False, glob=False)
+            scan = pl.scan_parquet(
+                list(paths), hive_partitioning=False, glob=False, storage_options=options
+            )
             rows = scan.select(present).collect()
             index = np.repeat(np.arange(i, j, dtype=np.int32), counts)
             if index.size != rows.height:
@@ -370,7 +378,7 @@ def scan_tokens(
     in_results = 0  # files
     # A large file's pieces until its last one is in: a file's partials are the sum of its
     # pieces', its rows in the run's merge (cached or not) are the file's.
-    read: dict[Path, list[Mapping[str, pl.DataFrame]]] = {}
+    read: dict[RunPath, list[Mapping[str, pl.DataFrame]]] = {}
     left = Counter(piece.path for piece in split)
     done, rows_read = sum(cached), 0
     if progress is not None:

@@ -7,7 +7,6 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -15,6 +14,7 @@ import polars as pl
 from rlscope._version import __version__
 from rlscope.exactsum import ordered_sum
 from rlscope.reader import Run
+from rlscope.store import RunPath
 
 #: Per-step entropy quantiles come from a histogram with log-spaced bins: bin b covers
 #: [E0·(e^(b/K) - 1), E0·(e^((b+1)/K) - 1)), i.e. a width of (H + E0)/K at entropy H — relative
@@ -212,7 +212,7 @@ class TokenPlan:
 class TokenFile:
     """One token file as the plan reads it: its path, the types it has and hive values."""
 
-    path: Path
+    path: RunPath
     schema: Mapping[str, pl.DataType]  # the file's own column types
     target: Mapping[str, pl.DataType]  # the unified types (of the columns read)
     hive: Mapping[str, str]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Literal, cast
 
 import numpy as np
@@ -15,6 +14,7 @@ import pyarrow.parquet as pq
 
 from rlscope.exactsum import ENGINE
 from rlscope.reader import INVALID_PREFIX, conform
+from rlscope.store import RunPath, arrow_source, polars_options
 from rlscope.tokenscan import limits
 from rlscope.tokenscan.plan import (
     ENTROPY_MAX_BIN,
@@ -34,10 +34,19 @@ def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
     present = [c for c in file.target if c in file.schema]
     if file.row_groups is None and file.stat[0] <= limits.SMALL_FILE_BYTES:
         # Read whole by Polars: half pyarrow's per-file cost, and a live run has thousands.
-        frame = pl.read_parquet(file.path, columns=present, hive_partitioning=False, glob=False)
+        frame = pl.read_parquet(
+            str(file.path),
+            columns=present,
+            hive_partitioning=False,
+            glob=False,
+            storage_options=polars_options(file.path),
+        )
         yield from _even_slices(frame, limits.BATCH_ROWS)
         return
-    parquet = pq.ParquetFile(file.path, buffer_size=limits.READ_BUFFER_BYTES, pre_buffer=False)
+    source, filesystem = arrow_source(file.path)
+    parquet = pq.ParquetFile(
+        source, buffer_size=limits.READ_BUFFER_BYTES, pre_buffer=False, filesystem=filesystem
+    )
     with parquet:
         meta = parquet.metadata
         groups = list(range(meta.num_row_groups) if file.row_groups is None else file.row_groups)
@@ -81,7 +90,7 @@ def _arrow_reads(
 
 
 def _polars_reads(
-    path: Path, first_row: int, sizes: list[int], columns: list[str], cap: int
+    path: RunPath, first_row: int, sizes: list[int], columns: list[str], cap: int
 ) -> Iterator[pl.DataFrame]:
     """Consecutive row groups (of `sizes` rows, the first starting at row `first_row` of the
     file) decoded by Polars, as many at a time as fit in `cap` rows (at least one: a row group
@@ -94,7 +103,9 @@ def _polars_reads(
             rows += sizes[group]
             group += 1
         # The slice is pushed down to the row groups: only those it covers are read.
-        scan = pl.scan_parquet(path, hive_partitioning=False, glob=False)
+        scan = pl.scan_parquet(
+            str(path), hive_partitioning=False, glob=False, storage_options=polars_options(path)
+        )
         yield from _even_slices(scan.slice(offset, rows).select(columns).collect(), cap)
         offset += rows
 
