@@ -213,6 +213,12 @@ def findings_layer_page(layer: str) -> str:
     return "\n".join(out)
 
 
+def _by_layer() -> str:
+    """The index pages' line of links to each layer's page."""
+    links = ", ".join(f"[{layer} {name}]({layer_page(layer)})" for layer, name in LAYERS.items())
+    return f"By layer: {links}.\n"
+
+
 def metrics_index() -> str:
     return "\n".join(
         [
@@ -222,9 +228,7 @@ def metrics_index() -> str:
             "`rlscope metrics --format json` the catalog as data. Per-step series over `train` "
             "rollouts, except L5 (eval splits) and the probe metrics (the steps of the probed "
             "rollouts).\n",
-            "By layer: "
-            + ", ".join(f"[{layer} {name}]({layer_page(layer)})" for layer, name in LAYERS.items())
-            + ".\n",
+            _by_layer(),
             metric_table(),
             "",
         ]
@@ -239,9 +243,7 @@ def findings_index() -> str:
             "Each fires on a synthetic run built to show it and stays silent on healthy runs of "
             "several lengths, batch sizes and group sizes; how they judge is in "
             "[How verdicts are judged](../../concepts/how-verdicts-are-judged.md).\n",
-            "By layer: "
-            + ", ".join(f"[{layer} {name}]({layer_page(layer)})" for layer, name in LAYERS.items())
-            + ".\n",
+            _by_layer(),
             finding_table(),
             "",
         ]

@@ -310,7 +310,11 @@ def test_a_critic_whose_learning_rate_jumps_diverges(tmp_path: Path) -> None:
     divergence = next(f for f in report_findings if f.id == "value-divergence")
     assert divergence.evidence["last"] > 5 * divergence.evidence["first"]
     follower = next(f for f in report_findings if f.id == "critic-not-learning")
-    assert follower.caused_by == ("value-divergence",)
+    # the critic's learning rate jumped first (update-change, at its step): it explains both
+    change = next(f for f in report_findings if f.id == "update-change")
+    assert change.began == 30 and "critic learning rate jumped ×1e+03" in change.message
+    assert divergence.caused_by == ("update-change",)
+    assert follower.caused_by == ("update-change", "value-divergence")
 
 
 @pytest.mark.slow

@@ -290,14 +290,23 @@ JUMP_STEP = trainer_constant("trl_lr_collapse.py", "JUMP_STEP")  # the first ste
 
 
 def _trl_judged(
-    tmp_path: Path, mode: str, processes: int = 1
+    tmp_path: Path, mode: str, processes: int = 1, every: int = 5
 ) -> tuple[list[dict[str, Any]], Path, Path]:
-    """A TRL GRPOTrainer run of `mode` with RlscopeCallback(judge_every=5, stop_on="critical")
-    on `processes` CPU processes (torchrun, gloo): each process' summary (the main one's
-    first), the trainer's output directory and the run directory the callback wrote."""
+    """A TRL GRPOTrainer run of `mode` with RlscopeCallback(judge_every=every,
+    stop_on="critical") on `processes` CPU processes (torchrun, gloo): each process' summary
+    (the main one's first), the trainer's output directory and the run directory the callback
+    wrote."""
     out, run = tmp_path / "trainer", tmp_path / "run"
     done = run_trainer(
-        "trl_lr_collapse.py", out, mode, "50", "--judge", run, "critical", "5", processes=processes
+        "trl_lr_collapse.py",
+        out,
+        mode,
+        "50",
+        "--judge",
+        run,
+        "critical",
+        str(every),
+        processes=processes,
     )
     # Two processes share stdout: another's output can land on a summary's line, so each
     # summary is decoded from where it starts, whatever surrounds it.
@@ -341,6 +350,24 @@ def test_a_genuine_trl_run_that_diverges_is_stopped(tmp_path: Path) -> None:
     assert scalars["train/rlscope/findings.critical"][-1][1] >= 1
     assert scalars["train/rlscope/findings.critical"][0][1] == 0
     assert len(scalars["train/loss"]) == record["step"]
+
+
+@pytest.mark.slow
+def test_judged_every_step_the_jump_is_named_at_once_and_the_run_stopped_by_half_way(
+    tmp_path: Path,
+) -> None:
+    """Judged at every step: the learning rate's jump is a warning at the step it is logged
+    (update-change), and the run stops by step 28, where its accuracy (0.89, 0.53, 0.19 at
+    steps 26-28) has fallen half-way, on the collapse filed under the jump (measured: warned
+    at 25, stopped at 28)."""
+    (summary,), _, run = _trl_judged(tmp_path, "jump", every=1)
+    judged = {j["step"]: j["findings"] for j in summary["judgements"]}
+    assert "update-change" in judged[JUMP_STEP]
+    assert all("update-change" not in found for step, found in judged.items() if step < JUMP_STEP)
+    record = stop_record(run)
+    assert record is not None and JUMP_STEP < record["step"] <= JUMP_STEP + 3
+    assert record["finding"]["id"] == "performance-regression"
+    assert record["finding"]["caused_by"] == ["update-change"]
 
 
 def _tensorboard_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:

@@ -266,11 +266,13 @@ def _trl_run(tmp_path: Path, mode: str) -> Report:
 
 @pytest.mark.slow
 def test_a_learning_rate_too_high_from_step_1_is_named_as_a_collapse(tmp_path: Path) -> None:
-    """GRPOTrainer at 40x a sane learning rate: accuracy 0.78 at step 1, ~0 from step 2."""
+    """GRPOTrainer at 40x a sane learning rate: accuracy 0.78 at step 1, ~0 from step 2: the
+    sequential test against step 1's level is sure at step 2."""
     report = _trl_run(tmp_path, "too-high")
     root = report.findings[0]
-    assert root.id == "performance-regression" and root.evidence["baseline"] == "start"
-    assert root.began == 2 and "stability.kl" in root.evidence["changed"]
+    assert root.id == "performance-regression" and root.evidence["baseline"] == "level so far"
+    assert root.began == 2 and root.evidence["sure"] == 2 and root.onset == 2
+    assert "stability.kl" in root.evidence["changed"]
     dead = next(f for f in report.findings if f.id == "dead-prompts")
     assert dead.caused_by == ("performance-regression",)
     assert (
@@ -282,16 +284,22 @@ def test_a_learning_rate_too_high_from_step_1_is_named_as_a_collapse(tmp_path: P
 
 @pytest.mark.slow
 def test_a_mid_run_learning_rate_jump_collapses_after_the_jump(tmp_path: Path) -> None:
-    """The healthy learning rate, then x40 from step JUMP_STEP: the collapse is named after the
-    jump, with the learning rate's change, and nothing is raised before it."""
+    """The healthy learning rate, then x40 from step JUMP_STEP: the jump is named at its step,
+    the collapse after it and filed under it, with the learning rate's change, and nothing
+    else is raised before it."""
     jump = trainer_constant("trl_lr_collapse.py", "JUMP_STEP")
     report = _trl_run(tmp_path, "jump")
+    change = next(f for f in report.findings if f.id == "update-change")
+    assert change.onset == change.began == jump and "×40" in change.message
     collapse = next(f for f in report.findings if f.id == "performance-regression")
-    assert collapse.onset is not None and collapse.onset > jump
+    assert collapse.onset is not None and jump < collapse.onset <= jump + 3
     assert collapse.began is not None and jump < collapse.began <= jump + 5
     assert "stability.lr" in collapse.evidence["changed"]
+    assert "update-change" in collapse.caused_by
     assert all(
-        f.onset is not None and f.onset > jump for f in report.findings if f.severity != "info"
+        f.onset is not None and f.onset > jump
+        for f in report.findings
+        if f.severity != "info" and f is not change
     )
     healthy = _trl_run(tmp_path, "healthy")
     assert "performance-regression" not in {f.id for f in healthy.findings}
