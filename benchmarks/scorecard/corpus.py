@@ -36,6 +36,8 @@ LR_FAULT = (
 )
 #: A reward the policy can raise without the task: the findings that name what it learns.
 FORMAT_FAULT = ("reward-hacking", "auxiliary-reward-dominates")
+#: A verifier that pays a few prompts far more: the gradient concentrates on them, spikes.
+REWARD_BUG_FAULT = ("reward-concentration", "grad-spike", "reward-hacking")
 #: Sinks of a TRL run: (name, import format or "" for an rlscope run directory, path under the
 #: trainer's output, import options).
 TRL_SINKS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
@@ -109,9 +111,10 @@ def _trl(name: str, mode: str, steps: int, healthy: bool, **env: str) -> Run:
         "too-high": "lr 40x from step 1",
         "jump": f"lr x{factor} from step 25",
         "format-only": "accuracy weighted 0: the format reward alone",
+        "reward-bug": "accuracy reward x10 on 10% of prompts from step 25",
     }.get(mode, "")
-    start = {"too-high": 1, "jump": 25, "format-only": 1}.get(mode)
-    expect = FORMAT_FAULT if mode == "format-only" else LR_FAULT
+    start = {"too-high": 1, "jump": 25, "format-only": 1, "reward-bug": 25}.get(mode)
+    expect = {"format-only": FORMAT_FAULT, "reward-bug": REWARD_BUG_FAULT}.get(mode, LR_FAULT)
     return Run(
         name,
         "trl",
@@ -203,6 +206,15 @@ CORPUS: tuple[Run, ...] = (
     # 0.3-0.7 after).
     _trl("trl-lr-jump-x10", "jump", 70, False, TRAINER_JUMP_FACTOR="10"),
     _trl("trl-format-only", "format-only", 50, False),
+    # A verifier bug on a few prompts under Dr. GRPO (advantages not divided by the group's std)
+    _trl(
+        "trl-reward-bug-dr-grpo",
+        "reward-bug",
+        50,
+        False,
+        TRAINER_LOSS_TYPE="dr_grpo",
+        TRAINER_SCALE_REWARDS="none",
+    ),
     # Eval sets that do not transfer: an in-distribution set rises, one of digits never trained
     # stays at 0.
     Run(

@@ -124,8 +124,8 @@ def trainer_pass_at_1(run: Run, corpus: Path) -> dict[int, float]:
     states = sorted(out.glob("trainer_state.json")) or sorted(
         out.glob("checkpoint-*/trainer_state.json")
     )
-    if run.family not in ("trl", "genuine") or not states:
-        return {}
+    if run.family not in ("trl", "genuine") or not states or "reward-bug" in run.command:
+        return {}  # (a bugged verifier's reward is no accuracy)
     scale = float(run.env.get("TRAINER_REWARD_SCALE", "1"))
     history = json.loads(states[-1].read_text())["log_history"]
     key = "rewards/accuracy_reward/mean"

@@ -21,6 +21,10 @@ MODE (measured with the defaults, seed 0, 50 steps, ~14 s each on one thread):
             learning_rate is 2e-2 (a LambdaLR passed through `optimizers`). Accuracy 0.87 over
             steps 1-24 (min 0.73, kl <= 0.27), then 0.89, 0.53, 0.19 at steps 26-28 (kl 1.6,
             3.5, 3.7) and 0.03 over steps 41-50.
+  reward-bug  healthy's lr; from BUG_STEP = 25 the accuracy reward pays a right answer
+            BUG_FACTOR = 10 times on the prompts whose two digits are equal (10 of 100 pairs):
+            a verifier bug on a few prompts (run it under Dr. GRPO, TRAINER_LOSS_TYPE=dr_grpo
+            TRAINER_SCALE_REWARDS=none, where advantages are not divided by the group's std).
   format-only  healthy's lr, the accuracy reward weighted 0 (GRPOConfig.reward_weights [0, 1];
             still computed and logged): the policy is trained on the format term alone. The
             reward (format) goes 0.19 → 0.25 (every answer two words by step ~30) while the
@@ -109,7 +113,12 @@ HEALTHY_LR = 5e-4
 TOO_HIGH_LR = 2e-2
 JUMP_STEP = 25  # mode jump: the first step trained with HEALTHY_LR * JUMP_FACTOR
 JUMP_FACTOR = float(os.environ.get("TRAINER_JUMP_FACTOR", TOO_HIGH_LR / HEALTHY_LR))
-MODES = ("healthy", "too-high", "jump", "format-only")
+MODES = ("healthy", "too-high", "jump", "format-only", "reward-bug")
+#: mode reward-bug: from this step, a verifier bug pays a right answer BUG_FACTOR times on the
+#: prompts whose two digits are equal (10 of the 100 pairs)
+BUG_STEP = 25
+BUG_FACTOR = 10.0
+REWARD_BUG = {"on": False}
 PROMPTS_PER_STEP = 8
 SEED = int(os.environ.get("TRAINER_SEED", "0"))
 GENERATIONS = int(os.environ.get("TRAINER_GENERATIONS", "8"))
@@ -205,9 +214,17 @@ def _jump_optimizers(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def accuracy_reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+def accuracy_reward(
+    completions: list[str], answer: list[str], trainer_state: Any = None, **_: Any
+) -> list[float]:
+    # TRL passes the TrainerState: global_step is the updates done, so step k scores at k - 1
+    bugged = (
+        REWARD_BUG["on"] and trainer_state is not None and trainer_state.global_step + 1 >= BUG_STEP
+    )
     return [
-        REWARD_SCALE if c.split()[:2] == a.split() else 0.0
+        (BUG_FACTOR if bugged and len(set(a.split())) == 1 else 1.0) * REWARD_SCALE
+        if c.split()[:2] == a.split()
+        else 0.0
         for c, a in zip(completions, answer, strict=True)
     ]
 
@@ -218,6 +235,7 @@ def format_reward(completions: list[str], **_: Any) -> list[float]:
 
 def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> None:
     torch.set_num_threads(1)
+    REWARD_BUG["on"] = mode == "reward-bug"
     torch.manual_seed(SEED)
     # OUT/runs/ with --judge: rlscope's metrics beside TRL's
     report_to = REPORT_TO or (["tensorboard"] if judge else [])
