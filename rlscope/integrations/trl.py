@@ -96,6 +96,13 @@ from rlscope.config import Config
 from rlscope.importers._common import accuracy_like
 from rlscope.importers.text import answer_expr, prompt_id
 from rlscope.importers.trl import ZERO_STD_ISCLOSE, noisy_zero_std_groups
+from rlscope.integrations.trl_tokens import (
+    GenerationBatch,
+    TokenSample,
+    TokenTap,
+    parse_token_sample,
+    trl_support,
+)
 from rlscope.live import METRIC_PREFIX, NEVER, Judgement, StopOn, StopPolicy
 from rlscope.probe import Asker, ProbeSettings, ProbeSummary, ask_targets, run_coroutine, targets_of
 from rlscope.probe.interventions import EDITED
@@ -217,6 +224,7 @@ class RlscopeCallback(_CallbackBase):
         probe_per_step: int = 2,
         probe_kinds: Sequence[str] = IN_LOOP_KINDS,
         probe_max_tokens: int = 64,
+        token_sample: TokenSample = "all",
         **run_meta: Any,
     ) -> None:
         known = _WRITER_OPTIONS | {f.name for f in RUN_FIELDS} - {"schema_version"}
@@ -238,6 +246,8 @@ class RlscopeCallback(_CallbackBase):
                 f"probe_kinds {', '.join(edited)} need an editor model: run `rlscope probe` "
                 "against a server for those"
             )
+        self.token_share = parse_token_sample(token_sample)
+        self.tokens: TokenTap | None = None  # the tap on the bound trainer's tensors
         self.probe_every = probe_every
         self.probe_settings = ProbeSettings(
             endpoint="in-process",
@@ -279,8 +289,10 @@ class RlscopeCallback(_CallbackBase):
         self._warned: set[str] = set()
 
     def bind(self, trainer: Any) -> RlscopeCallback:
-        """Read completions from this trainer's buffers at each log. Returns self."""
+        """Read completions from this trainer's buffers at each log (and, from a GRPOTrainer,
+        per-token tensors: `token_sample`). Returns self."""
         self.trainer = trainer
+        self._tap()
         return self
 
     # HF events -------------------------------------------------------------------------------
@@ -290,6 +302,7 @@ class RlscopeCallback(_CallbackBase):
             self.writer, self.closed, self._pending = None, False, None
         if self.trainer is None:
             self.trainer = _find_trainer(self)
+        self._tap()  # on every process: the tap takes part in TRL's gathers
         if _is_main(state):
             self._open(args, kwargs)
 
@@ -345,6 +358,9 @@ class RlscopeCallback(_CallbackBase):
             return
         if self.writer is not None:
             self._emit_pending()
+            if self.tokens is not None:
+                for batch in self.tokens.finish():
+                    self._write_tokens(batch, complete_only=True)
             last = self._last_step
             if self.judge_every is not None and last is not None and last != self._judged_step:
                 self._judgement(last)  # the end of the run judged too (its findings logged)
@@ -360,17 +376,40 @@ class RlscopeCallback(_CallbackBase):
 
     # internals -------------------------------------------------------------------------------
 
+    def _tap(self) -> None:
+        """Install the token tap on the bound trainer (once), when it is a GRPOTrainer of a
+        supported TRL version and tokens are asked for; otherwise say why, rollouts only."""
+        if self.token_share <= 0 or self.trainer is None:
+            return
+        if self.tokens is not None:
+            if self.tokens.trainer is self.trainer:
+                return
+            self.tokens.uninstall()
+            self.tokens = None
+        reason = trl_support(self.trainer)
+        if reason is None:
+            self.tokens = TokenTap(self.trainer, self.token_share, self._write_tokens)
+        elif reason:
+            self._warn_once("tokens", f"no token table: {reason}; rollouts and steps only")
+
+    def _write_tokens(self, batch: GenerationBatch, complete_only: bool = False) -> None:
+        if self.writer is not None and not self.closed:
+            self.writer.log_tokens(batch.columns(complete_only=complete_only))
+
     def _open(self, args: Any, kwargs: Mapping[str, Any]) -> RunWriter:
         if self.writer is not None:
             return self.writer
         if self.count_tokens is not None:
             self._counter, self.length_source = self.count_tokens, "count_tokens"
-        else:
+        if self.tokens is not None:
+            self.length_source = "token_ids"  # counted from the generated ids (claim)
+        if self.count_tokens is None:
             tokenizer = getattr(self.trainer, "processing_class", None) or kwargs.get(
                 "processing_class"
             )
             self._counter = _token_counter(tokenizer)
-            self.length_source = "tokenizer" if self._counter is not None else "words"
+            if self.length_source is None:
+                self.length_source = "tokenizer" if self._counter is not None else "words"
         meta = dict(self.run_meta)
         meta.setdefault("flush_rows", _DEFAULT_FLUSH_ROWS)
         group_size = self._group_size(args)
@@ -390,6 +429,8 @@ class RlscopeCallback(_CallbackBase):
         clip = _number(getattr(args, "max_grad_norm", None))
         if clip is not None and clip > 0:  # TRL logs the norm before this clip
             meta.setdefault("max_grad_norm", clip)
+        if self.length_source == "token_ids":
+            meta.setdefault("response_len_unit", "tokens")
         meta.update(self._correctness_meta(meta))
         self._next_rollout_id = self._first_rollout_id = _next_rollout_id(self.run_dir)
         self.writer = RunWriter(self.run_dir, **self.judge_options, **meta)
@@ -484,7 +525,7 @@ class RlscopeCallback(_CallbackBase):
             if number is None or key == "step":
                 continue
             name = STEP_KEYS.get(key, key)
-            if key in _LENGTH_KEYS and self.length_source != "count_tokens":
+            if key in _LENGTH_KEYS and self.length_source not in ("count_tokens", "token_ids"):
                 name = _LENGTH_RENAME.format(key)  # exact; ours are re-counted from text
             columns[name] = number
         return columns
@@ -592,13 +633,21 @@ class RlscopeCallback(_CallbackBase):
             return None  # the same generation batch, logged again
         self._last_batch = fingerprint
 
+        ids = list(range(self._next_rollout_id, self._next_rollout_id + n))
+        lengths: list[int] = []
+        if self.tokens is not None and split == "train":
+            lengths = self.tokens.claim(advantages, ids)
+            if not lengths:
+                self._warn_once(
+                    "claim", "a generation batch's tokens could not be matched with its rollouts"
+                )
         rows: dict[str, list] = {
-            "rollout_id": list(range(self._next_rollout_id, self._next_rollout_id + n)),
+            "rollout_id": ids,
             "step": [step] * n,
             "prompt_id": self._prompt_ids(prompts, args),
             "split": [split] * n,
             "reward": _total_reward(per_func, self._reward_weights(list(per_func))),
-            "response_len": self._lengths(buffers, completions),
+            "response_len": lengths or self._lengths(buffers, completions),
         }
         self._next_rollout_id += n
         if self.correct_reward is not None:
