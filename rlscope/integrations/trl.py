@@ -635,7 +635,7 @@ class RlscopeCallback(_CallbackBase):
 
         ids = list(range(self._next_rollout_id, self._next_rollout_id + n))
         lengths: list[int] = []
-        if self.tokens is not None and split == "train":
+        if self.tokens is not None and self.tokens.error is None and split == "train":
             lengths = self.tokens.claim(advantages, ids)
             if not lengths:
                 self._warn_once(
