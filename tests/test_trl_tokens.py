@@ -446,3 +446,29 @@ def test_a_batch_trained_over_two_steps_clips_as_trl_logged(
         if step % 2 == 1:  # the first micro-batch of each batch: on-policy, r = 1
             assert value == pytest.approx(logged_kl[step], rel=1e-4, abs=1e-6), step
     assert math.isfinite(sum(v or 0 for v in kl.values))
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_main_process_writes_every_process_tokens(tmp_path: Path) -> None:
+    """Two processes (torchrun, gloo), each generating its own 64 completions a step: the
+    main process writes the tokens of all 128, gathered as TRL gathers the completions, each
+    under its rollout's id (its token count = response_len, its advantage the rollout's), and
+    the token entropy and k3 KL equal TRL's logged ones, reduced over both processes."""
+    out, run = tmp_path / "trainer", tmp_path / "run"
+    run_trainer(
+        "trl_lr_collapse.py", out, "healthy", "10", "--judge", run, "never", "1000", processes=2
+    )
+    tokens, rollouts = _tables(run)
+    assert rollouts.height == 10 * 128 and tokens["rollout_id"].n_unique() == rollouts.height
+    per = tokens.group_by("rollout_id").agg(pl.len(), pl.col("advantage").first())
+    joined = rollouts.join(per, on="rollout_id")
+    assert (joined["len"] == joined["response_len"]).all()
+    assert joined["advantage_right"].to_numpy() == pytest.approx(joined["advantage"].to_numpy())
+    steps = _steps(run)
+    report = analyze(run, metrics=TOKEN_METRICS)
+    for metric_id, key in zip(TOKEN_METRICS[:2], ("entropy", "kl"), strict=True):
+        logged = dict(zip(steps["step"], steps[key], strict=True))
+        result = report.metrics[metric_id]
+        assert len(result.steps) == 10
+        for step, value in zip(result.steps, result.values, strict=True):
+            assert value == pytest.approx(logged[step], abs=2e-6), (metric_id, step)
