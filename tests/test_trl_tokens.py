@@ -222,6 +222,7 @@ def _train(
     monkeypatch.setattr(trl_integration, "trl_support", lambda _: None)
     run = tmp_path / "run"
     callback = RlscopeCallback(run, correct_reward="accuracy_reward", **options).bind(trainer)
+    trainer.callback_handler = SimpleNamespace(callbacks=[callback])  # as HF's Trainer holds it
     args, control = trainer.args, SimpleNamespace(should_training_stop=False)
     callback.on_train_begin(args, trainer.state, control)
     logged: dict[int, dict[str, float]] = {}
@@ -304,6 +305,19 @@ def test_token_metrics_equal_what_the_trainer_logged(
         assert max(v for v in clip.values if v is not None) > 0
     else:
         assert all(v == 0 for v in clip.values)
+
+
+def test_the_in_loop_judge_reads_the_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """judge_every: each judgement flushes the token rows and computes the token-only metrics
+    (the entropy of the forking tokens) from them."""
+    _, trainer, _ = _train(tmp_path, monkeypatch, 4, judge_every=2)
+    (callback,) = trainer.callback_handler.callbacks
+    assert [j.step for j in callback.judgements] == [2, 4]
+    for judgement in callback.judgements:
+        assert judgement.error is None and judgement.files["tokens"][0] >= 1
+        assert "rlscope/behavior.entropy_p80" in judgement.metrics
 
 
 def test_token_sample_writes_a_share_of_rollouts_or_none(
