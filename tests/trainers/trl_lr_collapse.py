@@ -61,6 +61,10 @@ Environment (each unset: the runs above):
                 the Trainer's lr schedule (`constant` unless set; `cosine`, `linear`, ...) and
                 its linear warm-up steps (TRL's default 0): a healthy run's scheduled changes
                 of the learning rate. The jump mode's own scheduler ignores them.
+  TRAINER_TOKEN_SAMPLE
+                with --judge, the callback's token_sample: `all` (its default: every
+                completion's tokens, the tokens table), `none` (rollouts and steps only) or a
+                share of the rollouts (0.25).
   TRAINER_JUMP_FACTOR
                 mode jump's factor on the learning rate from JUMP_STEP; default 40.
   TRAINER_REPORT_TO
@@ -137,6 +141,7 @@ CONFIG = {
     if f"TRAINER_{name.upper()}" in os.environ
 }
 LR_SCHEDULER_TYPE = CONFIG.pop("lr_scheduler_type", "constant")
+TOKEN_SAMPLE = os.environ.get("TRAINER_TOKEN_SAMPLE", "all")
 REPORT_TO = sinks.report_to()
 SINK_NAME = "trl_lr_collapse"  # the W&B project and the MLflow experiment
 
@@ -295,6 +300,9 @@ def main(out: Path, mode: str, steps: int, judge: list[str] | None = None) -> No
                     correct_reward="accuracy_reward",
                     judge_every=int(every),
                     stop_on=stop_on if stop_on in ("never", "critical") else stop_on.split(","),
+                    token_sample=TOKEN_SAMPLE
+                    if TOKEN_SAMPLE in ("all", "none")
+                    else float(TOKEN_SAMPLE),
                 )
             )
         trainer = GRPOTrainer(
