@@ -254,3 +254,22 @@ def _scalar(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     return value
+
+
+def next_rollout_id(run_dir: Path) -> int:
+    """One past the largest rollout_id already in the run directory (from Parquet statistics):
+    where a writer that resumes a run numbers its next rollout."""
+    largest = -1
+    for path in (run_dir / "rollouts").rglob("*.parquet"):
+        if path.name.startswith((".", "_")):
+            continue
+        try:
+            meta = pq.ParquetFile(path).metadata
+            index = meta.schema.to_arrow_schema().get_field_index("rollout_id")
+            for group in range(meta.num_row_groups):
+                stats = meta.row_group(group).column(index).statistics
+                if stats is not None and stats.has_min_max:
+                    largest = max(largest, int(stats.max))
+        except Exception:  # an unreadable file is rlscope validate's business, not ours
+            continue
+    return largest + 1

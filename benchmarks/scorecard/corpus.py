@@ -11,6 +11,7 @@ TensorBoard, W&B offline, MLflow), and each sink is read back by its own reader.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import subprocess
@@ -314,8 +315,8 @@ CORPUS: tuple[Run, ...] = (
 
 def generate(corpus: Path, python: str, runs: Sequence[Run] = CORPUS, jobs: int = 2) -> None:
     """Writes every trainer run not yet in `corpus` (a `.done` file beside it holds the command
-    that made it: a changed command makes it again), `jobs` trainers at a time, each on one
-    thread. Fails with the trainer's stderr."""
+    that made it and a digest of the code that writes it: a change to either makes it again),
+    `jobs` trainers at a time, each on one thread. Fails with the trainer's stderr."""
     corpus.mkdir(parents=True, exist_ok=True)
     todo = [run for run in runs if run.command and not _made(run, corpus)]
 
@@ -347,8 +348,27 @@ def _stamp(run: Run, corpus: Path) -> Path:
     return corpus / f"{run.name}.done"
 
 
+#: What writes a run besides its command: the trainers and rlscope's writing side (its
+#: callback and hooks, RunWriter). A change to any of them makes every run again.
+WRITERS = (
+    TRAINERS,
+    ROOT / "rlscope" / "integrations",
+    ROOT / "rlscope" / "writer.py",
+    ROOT / "rlscope" / "tablewriter.py",
+)
+
+
+def _writers_digest() -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for root in WRITERS:
+        for path in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def _recipe(run: Run) -> str:
-    return shlex.join([*(f"{k}={v}" for k, v in sorted(run.env.items())), *run.command])
+    env = [f"{k}={v}" for k, v in sorted(run.env.items())]
+    return shlex.join([*env, *run.command, f"# writers {_writers_digest()}"])
 
 
 def _made(run: Run, corpus: Path) -> bool:

@@ -105,7 +105,6 @@ from types import FrameType
 from typing import Any
 
 import polars as pl
-import pyarrow.parquet as pq
 
 from rlscope.catalog import default_catalog
 from rlscope.config import Config
@@ -124,6 +123,7 @@ from rlscope.probe import Asker, ProbeSettings, ProbeSummary, ask_targets, run_c
 from rlscope.probe.interventions import EDITED
 from rlscope.probe.local import LocalModel
 from rlscope.schema import RUN_FIELDS
+from rlscope.tablewriter import next_rollout_id
 from rlscope.writer import RunWriter
 
 #: What `probe_every` asks by default: the interventions that need no editor model.
@@ -449,7 +449,7 @@ class RlscopeCallback(_CallbackBase):
         if self.length_source == "token_ids":
             meta.setdefault("response_len_unit", "tokens")
         meta.update(self._correctness_meta(meta))
-        self._next_rollout_id = self._first_rollout_id = _next_rollout_id(self.run_dir)
+        self._next_rollout_id = self._first_rollout_id = next_rollout_id(self.run_dir)
         self.writer = RunWriter(self.run_dir, **self.judge_options, **meta)
         return self.writer
 
@@ -869,21 +869,3 @@ def _fingerprint(
     for part in (prompts, completions, sorted(per_func.items()), advantages):
         digest.update(json.dumps(part, ensure_ascii=False).encode())
     return digest.hexdigest()
-
-
-def _next_rollout_id(run_dir: Path) -> int:
-    """One past the largest rollout_id already in the run directory (from Parquet statistics)."""
-    largest = -1
-    for path in (run_dir / "rollouts").rglob("*.parquet"):
-        if path.name.startswith((".", "_")):
-            continue
-        try:
-            meta = pq.ParquetFile(path).metadata
-            index = meta.schema.to_arrow_schema().get_field_index("rollout_id")
-            for group in range(meta.num_row_groups):
-                stats = meta.row_group(group).column(index).statistics
-                if stats is not None and stats.has_min_max:
-                    largest = max(largest, int(stats.max))
-        except Exception:  # an unreadable file is rlscope validate's business, not ours
-            continue
-    return largest + 1

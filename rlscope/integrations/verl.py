@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from rlscope.integrations.trl import _next_rollout_id
 from rlscope.integrations.trl_tokens import to_numpy
+from rlscope.tablewriter import next_rollout_id
 from rlscope.writer import RunWriter
 
 #: verl batch key -> tokens column.
@@ -98,7 +98,7 @@ class RlscopeVerlHook:
     def __init__(self, run_dir: str | os.PathLike[str], **run_meta: Any) -> None:
         self.writer = RunWriter(run_dir, **run_meta)
         self.trainer: Any = None
-        self._next_id = _next_rollout_id(self.writer.run_dir)
+        self._next_id = next_rollout_id(self.writer.run_dir)
         self._entropy: Any = None
         self._warned = False
 
