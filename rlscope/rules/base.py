@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+from numpy.lib.stride_tricks import sliding_window_view
 
 from rlscope.metrics._common import UNITS
 from rlscope.metrics.signal import ACC_SQ
@@ -448,37 +449,44 @@ def level_shifts(series: Series, metric: str, response: Response, z: float) -> l
     if len(values) < SHIFT_BEFORE + SHIFT_AFTER or not len(positive):
         return []
     logs = np.log10(np.maximum(values, float(np.quantile(positive, 0.05))))
+    # every candidate step i at once: the SHIFT_BEFORE steps before it, the SHIFT_AFTER from it
+    count = len(logs) - SHIFT_BEFORE - SHIFT_AFTER + 1
+    before = sliding_window_view(logs, SHIFT_BEFORE)[:count]
+    after = sliding_window_view(logs, SHIFT_AFTER)[SHIFT_BEFORE : SHIFT_BEFORE + count]
+    half = SHIFT_BEFORE // 2
+    level, later = np.median(before, axis=1), np.median(after, axis=1)
+    settled = np.abs(np.median(before[:, half:], axis=1) - np.median(before[:, :half], axis=1))
+    spread = 1.4826 * np.median(np.abs(before - level[:, None]), axis=1)
+    # step_noise of each before-window: von Neumann's Σ(Δ)² / 2(n − 1)
+    successive = np.sqrt(np.mean(np.diff(before, axis=1) ** 2, axis=1) / 2)
+    noise = np.maximum(np.maximum(spread, successive), 1e-12)
+    delta = later - level
+    # the standard error of a difference of medians (π/2 × a mean's variance)
+    se = noise * math.sqrt(math.pi / 2 * (1 / SHIFT_AFTER + 1 / SHIFT_BEFORE))
+    big = delta >= math.log10(response.factor)
+    if not response.up_only:
+        big |= -delta >= math.log10(response.factor)
+    found = (
+        (settled < math.log10(2)) & big & (10**later >= response.floor) & (np.abs(delta) >= z * se)
+    )
     shifts: list[Change] = []
-    for i in range(SHIFT_BEFORE, len(values) - SHIFT_AFTER + 1):
-        before, after = logs[i - SHIFT_BEFORE : i], logs[i : i + SHIFT_AFTER]
-        half = SHIFT_BEFORE // 2
-        if abs(np.median(before[half:]) - np.median(before[:half])) >= math.log10(2):
-            continue
-        spread = 1.4826 * float(np.median(np.abs(before - np.median(before))))
-        noise = max(spread, step_noise(before), 1e-12)
-        delta = float(np.median(after) - np.median(before))
-        # the standard error of a difference of medians (π/2 × a mean's variance)
-        se = noise * math.sqrt(math.pi / 2 * (1 / SHIFT_AFTER + 1 / SHIFT_BEFORE))
-        big = delta >= math.log10(response.factor) or (
-            not response.up_only and -delta >= math.log10(response.factor)
-        )
-        reached = 10 ** float(np.median(after)) >= response.floor
-        if big and reached and abs(delta) >= z * se:
-            if shifts and shifts[-1].until >= int(steps[i]) - 1:
-                continue  # the same change, seen from the next step
-            # the first step past the middle: a median of 3 moves a step before the change
-            middle = (np.median(before) + np.median(after)) / 2
-            past = (after > middle) if delta > 0 else (after < middle)
-            at = i + int(np.argmax(past))
-            shifts.append(
-                Change(
-                    metric,
-                    int(steps[at]),
-                    float(10 ** np.median(before)),
-                    float(10 ** np.median(after)),
-                    int(steps[min(at + SHIFT_AFTER, len(steps)) - 1]),
-                )
+    for k in np.flatnonzero(found):
+        i = int(k) + SHIFT_BEFORE
+        if shifts and shifts[-1].until >= int(steps[i]) - 1:
+            continue  # the same change, seen from the next step
+        # the first step past the middle: a median of 3 moves a step before the change
+        middle = (level[k] + later[k]) / 2
+        past = (after[k] > middle) if delta[k] > 0 else (after[k] < middle)
+        at = i + int(np.argmax(past))
+        shifts.append(
+            Change(
+                metric,
+                int(steps[at]),
+                float(10 ** level[k]),
+                float(10 ** later[k]),
+                int(steps[min(at + SHIFT_AFTER, len(steps)) - 1]),
             )
+        )
     return shifts
 
 
