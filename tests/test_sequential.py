@@ -16,6 +16,7 @@ from rlscope.rules.base import (
     RESPONSES,
     Series,
     fall_threshold,
+    fold,
     level_shifts,
     sequential_fall,
     setting_jumps,
@@ -163,6 +164,12 @@ def test_a_learning_rate_x10_outside_its_schedule_is_a_jump_at_its_step() -> Non
     warm = [5e-5 * i for i in range(10)]
     (jump,) = setting_jumps(series([*warm, 5e-3, 5e-3]), "stability.lr")
     assert jump.step == 11
+
+
+def test_fold_is_a_change_s_size_whichever_way_it_went() -> None:
+    assert fold(0.5, 1.5) == fold(1.5, 0.5) == pytest.approx(3.0)
+    assert fold(-2.0, 1.0) == 2.0
+    assert fold(0.0, 0.0) == 1.0 and fold(0.0, 1e-9) == math.inf
 
 
 # --- a sustained shift of a response ------------------------------------------------------------

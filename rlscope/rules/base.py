@@ -340,6 +340,13 @@ DRIVERS = {m: UPDATE_NAMES[m] for m in ("stability.lr", "stability.kl", "stabili
 DRIVER_RATIO = 2.0
 
 
+def fold(a: float, b: float) -> float:
+    """How many times larger the larger of two levels is than the smaller (by magnitude): a
+    change's size whichever way it went; inf from 0 to anything else, 1 for two zeros."""
+    low, high = sorted((abs(a), abs(b)))
+    return high / low if low > 0 else (math.inf if high > 0 else 1.0)
+
+
 def changed_at(ctx: RuleContext, step: int) -> dict[str, tuple[float, float]]:
     """The DRIVERS that changed where a finding began (`step`): the mean of the 5 steps before
     step − 3 against the mean of steps step − 3 … step + 2 (a cause takes a few updates to
@@ -358,9 +365,7 @@ def changed_at(ctx: RuleContext, step: int) -> dict[str, tuple[float, float]]:
         if not len(after):
             continue
         a, b = float(np.mean(before)), float(np.mean(after))
-        low, high = sorted((abs(a), abs(b)))
-        ratio = high / low if low > 0 else math.inf
-        if ratio >= DRIVER_RATIO and abs(b - a) > 2 * step_noise(earlier):
+        if fold(a, b) >= DRIVER_RATIO and abs(b - a) > 2 * step_noise(earlier):
             changed[metric_id] = (a, b)
     return changed
 

@@ -30,6 +30,7 @@ from rlscope.rules.base import (
     final_mean,
     final_se,
     final_steps,
+    fold,
     halfway_step,
     level_severity,
     level_shifts,
@@ -1091,8 +1092,7 @@ def _moved_with(ctx: RuleContext, change: Change) -> list[Change]:
         if not len(before) or len(after) < 3:  # one step after is no level
             continue
         a, b = float(np.median(before)), float(np.median(after))
-        low, high = sorted((abs(a), abs(b)))
-        if (high / low if low > 0 else math.inf) >= DRIVER_RATIO and high > 0:
+        if fold(a, b) >= DRIVER_RATIO:
             moved.append(
                 Change(metric_id, change.step, a, b, int(steps[steps <= change.step + 2][-1]))
             )
