@@ -141,7 +141,7 @@ def tokens_source(plan: TablePlan) -> SourceRead | None:
         frames, stats = scan_tokens(
             run, tokens, cache=plan.cache, progress=plan.progress, mapper=plan.mapper
         )
-        ids = frames.pop("ids", None)
+        ids = frames.get("ids") if tokens.ids else None
         orphans = orphan_warning(run, ids, plan.index.get("rollouts")) if ids is not None else None
     except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
         raise scan_error(run, ["tokens"], "reading tokens", exc) from None

@@ -86,6 +86,7 @@ class Variant:
     empty_reason: str = ""
     # Aggregation level within the table: "" is the table's own (see TABLE_LEVELS);
     # "entropy_bins" is tokens per (step, entropy bin), "segments" tokens per (step, segment),
+    # "ids" tokens per (step, rollout_id) (with `len`, its rows),
     # "rollout" rollouts one row per rollout.
     level: str = ""
     # Level "rollout" only: intermediate columns computed in order before the partials (each may

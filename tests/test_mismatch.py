@@ -37,8 +37,10 @@ def _tokens_run(
     trainer: str = "old_logprob",
     seed: int = 0,
     rollouts_per_step: int = 8,
+    shared: float = 0.0,
 ) -> tuple[Path, dict[str, np.ndarray]]:
-    """A run whose sampler log-probs differ from the trainer's by N(0, sigma(step)) per token:
+    """A run whose sampler log-probs differ from the trainer's by N(0, sigma(step)) per token
+    plus, with `shared`, one N(0, shared) draw per rollout for all its tokens:
     `rollouts_per_step` rollouts of `length` tokens a step. Returns it and its token arrays."""
     rng = np.random.default_rng(seed)
     rollouts: dict[str, list[Any]] = {k: [] for k in ("rollout_id", "step", "prompt_id")}
@@ -55,6 +57,7 @@ def _tokens_run(
             rollouts["response_len"].append(length)
             lp = np.log(rng.uniform(0.05, 1.0, length)).astype(np.float32)
             noise = rng.normal(0.0, sigma(step) if callable(sigma) else sigma, length)
+            noise += rng.normal(0.0, shared) if shared else 0.0
             columns["rollout_id"] += [rid] * length
             columns["step"] += [step] * length
             columns["pos"] += list(range(length))
@@ -95,6 +98,56 @@ def test_mismatch_metrics_equal_an_independent_computation(write_run: Any, train
         assert trainer in result.source
     # k3 is a KL estimate: ~sigma²/2 for small centred log-ratio noise.
     assert report.metrics["stability.mismatch_kl"].value == pytest.approx(0.3**2 / 2, rel=0.2)
+
+
+def test_the_steps_error_by_rollout_equals_an_independent_computation(write_run: Any) -> None:
+    """The k3 step mean's standard error with each rollout one draw (the ratio estimator over
+    the step's rollouts) and with each token one, against numpy, on one step (the final
+    window's mean of a one-step run is that step's)."""
+    path, arrays = _tokens_run(write_run, 0.3, steps=1, length=7, rollouts_per_step=12)
+    d = arrays["old_logprob"].astype(np.float64) - arrays["rollout_logprob"].astype(np.float64)
+    k3 = np.exp(d) - d - 1
+    ids = arrays["rollout_id"]
+    sums = np.array([k3[ids == r].sum() for r in np.unique(ids)])
+    counts = np.array([(ids == r).sum() for r in np.unique(ids)], dtype=np.float64)
+    mean = sums.sum() / counts.sum()
+    r = sums.size
+    by_rollout = math.sqrt(np.sum((sums - mean * counts) ** 2) * r / (r - 1)) / counts.sum()
+    components = analyze(path, metrics=MISMATCH[:1]).metrics[MISMATCH[0]].extra["components"]
+    assert components["rollout_se"] == pytest.approx(by_rollout, rel=1e-9)
+    assert components["token_se"] == pytest.approx(k3.std(ddof=1) / math.sqrt(k3.size), rel=1e-9)
+    assert components["rollouts"] == r and components["n"] == k3.size
+
+
+def test_a_sequences_shared_offset_is_not_sure_from_its_tokens(write_run: Any) -> None:
+    """Each rollout's 40 tokens all off by one draw of N(0, 0.125): k ≈ 0.0078 a token, 0.31 a
+    sequence, below the warning's 0.35, and the tokens are as correlated as they can be. On 4
+    rollouts a step, a level judged on its tokens' error (as if independent) would be sure
+    of a warning on a quarter of the first steps (counted here, independently); the rollouts'
+    scatter, Student-t widened for 3 degrees of freedom, is not. 64 rollouts of a real
+    mismatch of that kind (N(0, 0.35): 2.4 a sequence) are critical from the first step."""
+    token_sure, fired = 0, 0
+    for seed in range(30):
+        path, arrays = _tokens_run(
+            write_run, 0.0, steps=1, length=40, rollouts_per_step=4, shared=0.125, seed=seed
+        )
+        d = arrays["old_logprob"].astype(np.float64) - arrays["rollout_logprob"]
+        k3 = np.exp(d) - d - 1
+        token_sure += 40 * (k3.mean() - 2 * k3.std(ddof=1) / math.sqrt(k3.size)) >= 0.3466
+        fired += _finding(analyze(path)) is not None
+    assert token_sure >= 6 and fired <= 1, (token_sure, fired)
+    path, _ = _tokens_run(write_run, 0.0, steps=1, length=40, rollouts_per_step=64, shared=0.35)
+    sure = _finding(analyze(path))
+    assert sure is not None and sure.severity == "critical"
+
+
+def test_a_moderate_level_warns_from_the_first_step(write_run: Any) -> None:
+    """32 rollouts of 12 tokens at σ = 0.3 a token (k ≈ 0.045, 0.54 a sequence: 34% kept):
+    the rollouts say the step's error is ~0.005 a token, so a warning at the first step; the
+    bound that took a sequence's tokens as one draw (× √12) could not be sure of it."""
+    path, _ = _tokens_run(write_run, 0.3, steps=1, length=12, rollouts_per_step=32)
+    finding = _finding(analyze(path))
+    assert finding is not None and finding.severity == "warn"
 
 
 def test_without_rollout_logprob_the_mismatch_is_not_a_zero(write_run: Any) -> None:

@@ -8,6 +8,7 @@ from functools import partial
 import polars as pl
 
 from rlscope.context import MetricContext
+from rlscope.exactsum import ordered_sum
 from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, step_sums
 from rlscope.reader import INVALID_PREFIX
 from rlscope.spec import Declarations, Metric, Variant
@@ -261,15 +262,58 @@ def _token_mean_and_se(
 ) -> pl.LazyFrame:
     """Per step, the token mean and its standard error over the step's tokens (extra_token_se,
     as if tokens were independent; extra_n the tokens)."""
-    sums = step_sums(frame, [total, count, squares])
+    return step_sums(frame, [total, count, squares]).select(
+        "step", *_mean_and_token_se(total, count, squares)
+    )
+
+
+def _mean_and_token_se(total: str, count: str, squares: str) -> list[pl.Expr]:
+    """value, extra_n and extra_token_se from a step's summed columns."""
     n = pl.col(count).cast(pl.Float64)
     mean = pl.col(total) / n
     spread = pl.max_horizontal((pl.col(squares) / n - mean**2) * n / (n - 1), pl.lit(0.0))
-    return sums.select(
-        "step",
+    return [
         safe_div(pl.col(total), n).alias("value"),
         n.alias("extra_n"),
         pl.when(n > 1).then((spread / n).sqrt()).alias("extra_token_se"),
+    ]
+
+
+def _rollout_mean_and_se(
+    total: str, count: str, squares: str, frame: pl.LazyFrame, ctx: MetricContext
+) -> pl.LazyFrame:
+    """`_token_mean_and_se` from sums per (step, rollout) (the token scan's ids level), and
+    the step mean's standard error with each rollout's tokens as one draw (extra_rollout_se:
+    the ratio estimator's over the step's R rollouts, √(Σ_r (S_r − mean·n_r)² · R/(R−1)) / Σ n_r).
+    A sequence's tokens share a prompt and a policy state, so they are correlated and the
+    token-level error understates the step's; this one needs no assumption on by how much."""
+    rollouts = frame.filter(pl.col(count) > 0).select(
+        "step", *(pl.col(c).cast(pl.Float64) for c in (total, count, squares))
+    )
+    steps = rollouts.group_by("step").agg(
+        *(ordered_sum(pl.col(c)).alias(c) for c in (total, count, squares)),
+        pl.len().cast(pl.Float64).alias("__rollouts"),
+    )
+    centred = pl.col(total) - pl.col("__mean") * pl.col(count)
+    residuals = (
+        rollouts.join(
+            steps.select("step", (pl.col(total) / pl.col(count)).alias("__mean")), on="step"
+        )
+        .group_by("step")
+        .agg(ordered_sum(centred**2).alias("__residual"))
+    )
+    r = pl.col("__rollouts")
+    return (
+        steps.join(residuals, on="step")
+        .select(
+            "step",
+            *_mean_and_token_se(total, count, squares),
+            r.alias("extra_rollouts"),
+            pl.when(r > 1)
+            .then((pl.col("__residual") * r / (r - 1)).sqrt() / pl.col(count))
+            .alias("extra_rollout_se"),
+        )
+        .sort("step")
     )
 
 
@@ -278,20 +322,25 @@ def _mismatch_variants(
     per_token: Callable[[pl.Expr, pl.Expr], pl.Expr],
     source: str,
     logged: tuple[tuple[str, str], ...] = (),
+    *,
+    by_rollout: bool = False,
 ) -> tuple[Variant, ...]:
     """Token-mean of `per_token(trainer, sampler)` log-probs: the trainer's old_logprob (else
-    logprob) and rollout_logprob; then the trainers' logged columns, (column, whose)."""
+    logprob) and rollout_logprob; then the trainers' logged columns, (column, whose). With
+    `by_rollout`, summed per (step, rollout) for the step's error by rollout too."""
     variants = []
     for column, tag in _TRAINER_LOGPROBS:
         value = per_token(f64(column), f64("rollout_logprob"))
         names = [f"mm_{name}_{tag}_{k}" for k in ("sum", "n", "sq")]
+        series = _rollout_mean_and_se if by_rollout else _token_mean_and_se
         variants.append(
-            custom(
+            Variant(
                 "tokens",
                 (column, "rollout_logprob"),
-                partial(_token_mean_and_se, names[0], names[1], names[2]),
+                partial(series, names[0], names[1], names[2]),
                 dict(zip(names, (value.sum(), value.count(), (value**2).sum()), strict=True)),
                 source=f"tokens: token-mean {source}, d = {column} - rollout_logprob",
+                level="ids" if by_rollout else "",
             )
         )
     for column, whose in logged:
@@ -339,6 +388,7 @@ DECLARED.metric(
             _k3,
             "k3 = e^d - d - 1",
             (("rollout_corr/k3_kl", "verl, rollout_corr_helper.py compute_offpolicy_metrics"),),
+            by_rollout=True,
         ),
     )
 )

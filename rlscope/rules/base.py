@@ -615,11 +615,15 @@ def final_steps(series: Series) -> int:
     return int(series.steps[-window_size(len(series))])
 
 
+#: How many standard errors deep a level is judged (`level_severity`).
+LEVEL_Z = 2.0
+
+
 def level_severity(level: float, params: Mapping[str, float], se: float = 0.0) -> Severity | None:
     """`warn` when `level - 2·se` is at or above params["warn_at"] (a window too small to be
     sure the level is past the threshold, a handful of groups or a short run, does not count as
     past it), `critical` when it is and the level itself is at or above params["critical_at"]."""
-    sure = level - 2.0 * se
+    sure = level - LEVEL_Z * se
     if sure < params["warn_at"]:
         return None
     return "critical" if level >= params["critical_at"] else "warn"

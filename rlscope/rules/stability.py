@@ -14,6 +14,7 @@ from rlscope.metrics.stability import VALUE_LOSS_COLUMNS
 from rlscope.rules.base import (
     DRIVER_RATIO,
     DRIVERS,
+    LEVEL_Z,
     MIN_TREND_STEPS,
     RESPONSES,
     SETTINGS,
@@ -39,6 +40,7 @@ from rlscope.rules.base import (
     sequential_fall,
     setting_jumps,
     step_noise,
+    t_quantile,
 )
 from rlscope.spec import Declarations, Explained, Finding, Param, Severity
 from rlscope.windows import MIN_STEPS, window_size
@@ -279,19 +281,27 @@ MISMATCH_EXPLAINS_COLLAPSE = Explained(
 
 def _mismatch_se(ctx: RuleContext, kl: Series, tokens: float) -> float:
     """The final-window mean's standard error: from its step-to-step scatter once there are 3
-    steps; before, from its tokens (each step's token-level error × √T, as if a sequence's T
-    tokens were one draw: they are correlated, and no more than that); infinite when neither
-    is known (one or two steps of a logged mean)."""
+    steps; before, from the steps' own rollouts (each rollout's tokens one draw, Student-t
+    widened for few rollouts: `t_quantile`), else from their tokens (each step's token-level
+    error × √T, as if a sequence's T tokens were one draw: they are correlated, and no more
+    than that); infinite when none is known (one or two steps of a logged mean)."""
     if len(kl) >= MIN_STEPS:
         return final_se(kl)
     frame = ctx.frame("stability.mismatch_kl")
-    if frame is None or "extra_token_se" not in frame.columns:
+    if frame is None:
         return math.inf
     judged = frame.filter(pl.col("value").is_not_null()).sort("step")
-    own = judged["extra_token_se"].to_numpy().astype(np.float64)
-    if len(own) != len(kl) or np.isnan(own).any():
-        return math.inf
-    return math.sqrt(float(np.sum(own**2)) * max(tokens, 1.0)) / len(own)
+    for column in ("extra_rollout_se", "extra_token_se"):
+        own = judged[column].to_numpy().astype(np.float64) if column in judged.columns else []
+        if len(own) != len(kl) or np.isnan(own).any():
+            continue
+        se = math.sqrt(float(np.sum(own**2))) / len(own)
+        if column == "extra_token_se":
+            return se * math.sqrt(max(tokens, 1.0))
+        # the rollouts' scatter is itself estimated, from few draws when they are few
+        dof = int(judged["extra_rollouts"].sum()) - len(own)
+        return se * t_quantile(LEVEL_Z, dof) / LEVEL_Z
+    return math.inf
 
 
 @DECLARED.rule(
@@ -320,9 +330,14 @@ def _mismatch_se(ctx: RuleContext, kl: Series, tokens: float) -> float:
     "depend on the vocabulary, and T carries the sequence length, so the bounds hold for any "
     "model and task; the level is judged two standard errors deep, so a small batch does not "
     "fire on noise: the final window's step-to-step scatter from 3 steps on; before, the "
-    "error its own tokens give (per step, the token-level standard error × √T, as if each "
-    "sequence's tokens were one draw), so with the tokens a level is judged from the first "
-    "step (a logged mean, with no tokens, from the third). Growth (from `min_trend_steps`): "
+    "error the step's own rollouts give (the scatter of their token sums, each sequence one "
+    "draw: its tokens share a prompt and a policy state, so they are correlated; Student-t "
+    "widened for few rollouts), so with the tokens a level is judged from the first step "
+    "(a logged mean, with no tokens, from the third; tokens without rollout ids, from their "
+    "token-level error × √T, as if a sequence's T tokens were one draw). On the scorecard's "
+    "perturbed-sampler run (32 rollouts of 12 tokens a step, 0.05 nats/token) that names the "
+    "mismatch at its first step, where the × √T bound waited for the second. Growth (from "
+    "`min_trend_steps`): "
     "the last fifth's "
     "KL at least `rise_factor` times the first fifth's and `z` standard errors above it "
     "(the series' own step-to-step noise, Student-t widened for short runs), once kT reaches "

@@ -244,7 +244,7 @@ def fold(
 
 def value_columns(level: str, plan: TokenPlan) -> list[str]:
     if level == "ids":
-        return ["len"]
+        return ["len", *plan.partials.get("ids", {})]
     names = list(plan.partials.get(level, {}))
     if level == "":
         names = [ROWS, *(INVALID_PREFIX + c for c in plan.count_invalid), *names]

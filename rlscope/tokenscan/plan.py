@@ -24,8 +24,9 @@ ENTROPY_BINS_PER_EFOLD = 100
 ENTROPY_BIN_OFFSET = 0.05
 ENTROPY_MAX_BIN = 1000
 ROWS = "__rows__"  # token rows per step (the step level), for the null-step warning
-#: Level -> its group keys. "ids" counts token rows per (step, rollout_id): merged over files,
-#: it finds tokens whose rollout is not in the rollouts table.
+#: Level -> its group keys. "ids" counts token rows per (step, rollout_id) (`len`): merged over
+#: files, it finds tokens whose rollout is not in the rollouts table; it also carries the
+#: metrics' per-rollout sums (a step's error with a sequence's tokens as one draw).
 LEVEL_KEYS: dict[str, tuple[str, ...]] = {
     "": ("step",),
     "entropy_bins": ("step", "entropy_bin"),
@@ -144,8 +145,10 @@ class TokenPlan:
 
     def __post_init__(self) -> None:
         for level, exprs in self.partials.items():
-            if level not in LEVEL_KEYS or level == "ids":
+            if level not in LEVEL_KEYS:
                 raise ValueError(f"unknown token level {level!r}")
+            if level == "ids" and any(n == "len" or n.startswith(MAX_PREFIX) for n in exprs):
+                raise ValueError("the ids level's partials are sums (its own `len` is its rows)")
             if level == "entropy_bins" and [e.meta.eq(BIN_COUNT) for e in exprs.values()] != [True]:
                 raise ValueError("the entropy_bins level is a histogram: one partial, BIN_COUNT")
             for name, expr in exprs.items():
@@ -175,12 +178,31 @@ class TokenPlan:
             shapes[name] = (kinds[0], column)
         return shapes
 
+    @cached_property
+    def ids_run_sums(self) -> dict[str, tuple[str, pl.Expr]] | None:
+        """Each ids-level partial as (kind, the per-row expression it aggregates), kind "sum"
+        or "count", for the token scan to sum over runs of rows of one rollout; None when a
+        partial has another shape (then it is grouped row by row)."""
+        shapes = {}
+        for name, expr in self.partials.get("ids", {}).items():
+            (inner, *rest) = expr.meta.pop()
+            kinds = [k for k in ("sum", "count") if not rest and expr.meta.eq(getattr(inner, k)())]
+            if not kinds:
+                return None
+            shapes[name] = (kinds[0], inner)
+        return shapes
+
     @property
     def levels(self) -> tuple[str, ...]:
         """The levels computed: always the step level (row and NaN/inf counts), then the
         plan's others."""
-        others = [level for level in self.partials if level != ""]
-        return ("", *others, *(("ids",) if self.ids else ()))
+        others = [level for level in self.partials if level not in ("", "ids")]
+        return ("", *others, *(("ids",) if self.has_ids else ()))
+
+    @property
+    def has_ids(self) -> bool:
+        """Whether the ids level is computed: for the orphan check or a metric's partials."""
+        return self.ids or "ids" in self.partials
 
     def columns(self, schema: Mapping[str, pl.DataType]) -> list[str]:
         """The token columns the plan reads (in the table's order)."""
@@ -192,7 +214,7 @@ class TokenPlan:
             used.add("entropy")
         if "segments" in self.partials:
             used.add("segment")
-        if self.ids:
+        if self.has_ids:
             used.add("rollout_id")
         return [c for c in schema if c in used]
 

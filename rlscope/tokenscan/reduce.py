@@ -249,12 +249,17 @@ def _level_queries(
             .agg(exprs)
             .with_columns(pl.col("segment").cast(pl.String))
         )
-    if plan.ids and "ids" not in done:
-        # Runs of one rollout_id first: a rollout's tokens are usually contiguous, so the
-        # group-by sees a row per rollout rather than a row per token.
-        runs = lf.select(*keys, pl.col("rollout_id").rle_id().alias("run"), "rollout_id")
-        runs = runs.group_by(*keys, "run").agg(pl.col("rollout_id").first(), pl.len())
-        queries["ids"] = runs.group_by(*keys, "rollout_id").agg(pl.col("len").sum())
+    if plan.has_ids and "ids" not in done:
+        if "ids" in plan.partials:
+            exprs = [e.alias(n) for n, e in plan.partials["ids"].items()]
+            rows = pl.len().cast(pl.Int64).alias("len")
+            queries["ids"] = lf.group_by(*keys, "rollout_id").agg(rows, *exprs)
+        else:
+            # Runs of one rollout_id first: a rollout's tokens are usually contiguous, so the
+            # group-by sees a row per rollout rather than a row per token.
+            runs = lf.select(*keys, pl.col("rollout_id").rle_id().alias("run"), "rollout_id")
+            runs = runs.group_by(*keys, "run").agg(pl.col("rollout_id").first(), pl.len())
+            queries["ids"] = runs.group_by(*keys, "rollout_id").agg(pl.col("len").sum())
     return queries
 
 
@@ -266,7 +271,8 @@ def _run_levels(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.DataFrame]
     compute (a null rollout_id, a segment partial of another shape) is left out, for
     `_level_queries`."""
     shapes = plan.segment_run_shapes
-    if (shapes is None and not plan.ids) or "rollout_id" not in frame.columns:
+    sums = plan.ids_run_sums
+    if (shapes is None and not plan.has_ids) or "rollout_id" not in frame.columns:
         return {}
     rollout = frame["rollout_id"]
     if not frame.height or rollout.null_count():
@@ -285,13 +291,19 @@ def _run_levels(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.DataFrame]
     lengths = np.diff(starts, append=frame.height)
     run_ids = ids[starts]
     levels: dict[str, pl.DataFrame] = {}
-    if plan.ids:
+    if plan.has_ids and sums is not None:
         # A row per run of one rollout (its segments' runs joined): one per rollout when its
         # rows are contiguous; the merge sums a rollout's rows if not.
         at = _run_starts(run_ids)
-        levels["ids"] = pl.DataFrame(
-            {"rollout_id": run_ids[at], "len": np.add.reduceat(lengths, at)}
-        )
+        columns: dict[str, np.ndarray] = {
+            "rollout_id": run_ids[at],
+            "len": np.add.reduceat(lengths, at),
+        }
+        if sums:
+            rows = frame.select(inner.alias(name) for name, (_, inner) in sums.items())
+            for name, (kind, _) in sums.items():
+                columns[name] = _per_run(kind, rows[name], starts[at], columns["len"])
+        levels["ids"] = pl.DataFrame(columns)
     if segment is not None and shapes is not None:
         levels["segments"] = _segment_sums(
             frame, segment.gather(starts), run_ids, starts, lengths, shapes
