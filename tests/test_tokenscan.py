@@ -800,10 +800,37 @@ def test_the_entropy_histogram_in_blocks_counts_every_bin_of_every_row(
         )
     ).astype(np.int64)
     assert tokenscan.entropy_bins(entropy).tolist() == expected.tolist()
-    tally = tokenscan.plan.entropy_histogram(entropy)
+    histogram = tokenscan.HISTOGRAMS["entropy_bins"]
+    (tally,) = tokenscan.plan.histogram_tally(histogram, values, {"n": "count"}).values()
     assert tally.tolist() == np.bincount(expected, minlength=tally.size).tolist()
     assert tally[0] >= 2 and tally[-1] == 1
-    assert tokenscan.plan.entropy_histogram(pl.Series([], dtype=pl.Float32)).sum() == 0
+    empty = np.array([], dtype=np.float32)
+    assert tokenscan.plan.histogram_tally(histogram, empty, {"n": "count"})["n"].sum() == 0
+
+
+def test_the_advantage_tiers_tally_equals_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per (group, tier): the tokens, Σ a² (float64) and the largest |a|, blocks forced small,
+    against numpy masks: a tier is how many of the floors |a| is strictly above (0 in tier 0,
+    a float-noise 1e-17 in tier 1, 5e-4 in tier 4, 0.3 in tier 5)."""
+    monkeypatch.setattr(tokenscan.plan, "BIN_BLOCK_ROWS", 700)
+    rng = np.random.default_rng(5)
+    values = (rng.normal(0, 1, 3000) * 10.0 ** rng.integers(-18, 1, 3000)).astype(np.float32)
+    values[:4] = [0.0, 1e-17, -5e-4, 0.3]
+    group = rng.integers(0, 3, values.size)
+    histogram = tokenscan.HISTOGRAMS["advantage_tiers"]
+    kinds = {"n": "count", "q": "squares", "max__a": "max_abs"}
+    tallies = tokenscan.plan.histogram_tally(histogram, values, kinds, group, 3)
+    floors = np.asarray(tokenscan.ADVANTAGE_TIERS)
+    magnitude = np.abs(values.astype(np.float64))
+    tier = (magnitude[:, None] > floors[None, :]).sum(axis=1)
+    assert tier[:4].tolist() == [0, 1, 4, 5]
+    for g in range(3):
+        for t in range(histogram.size):
+            at = (group == g) & (tier == t)
+            flat = g * histogram.size + t
+            assert tallies["n"][flat] == at.sum()
+            assert tallies["q"][flat] == pytest.approx(np.sum(magnitude[at] ** 2), rel=1e-12)
+            assert tallies["max__a"][flat] == (magnitude[at].max() if at.any() else -np.inf)
 
 
 def test_a_step_whose_segments_are_all_null_has_no_segment_rows(

@@ -12,7 +12,7 @@ from rlscope.exactsum import ordered_sum
 from rlscope.metrics._common import custom, f64, ratio_variant, safe_div, step_column, step_sums
 from rlscope.reader import INVALID_PREFIX
 from rlscope.spec import Declarations, Metric, Variant
-from rlscope.tokenscan import MAX_PREFIX, merged
+from rlscope.tokenscan import ADVANTAGE_TIERS, HISTOGRAMS, MAX_PREFIX
 
 #: This layer's metrics, in order (collected by rlscope.catalog).
 DECLARED = Declarations()
@@ -670,42 +670,45 @@ DECLARED.metric(
 
 # --- Advantage extremes and the gradient's level ------------------------------------------------
 
-_A = f64("advantage")
 #: verl's whitened advantages are logged as their batch maximum and minimum only.
 _VERL_ADVANTAGE = ("critic/advantages/max", "critic/advantages/min")
-#: The partial of the largest |advantage| of a step (merged over files by max).
-ADV_MAX = MAX_PREFIX + "adv_abs"
-#: |advantage| floors the partials count tokens above (n, Σ a²), one per tier, so that a step's
-#: noise floor is chosen from its own scale once its files are merged.
-ADV_TIERS = (0.0, 1e-12, 1e-9, 1e-6, 1e-3)
+#: The advantage_tiers level's partials: per (step, tier) its tokens, Σ a² and largest |a|.
+_TIERS = HISTOGRAMS["advantage_tiers"]
+ADV_TIER_N, ADV_TIER_Q, ADV_MAX = "adv_tier_n", "adv_tier_q", MAX_PREFIX + "adv_tier_abs"
 #: A token whose |advantage| is below this share of the step's scale (its RMS advantage; the
 #: floor is the highest tier under it) is float noise of a zero-σ group, not a signal.
 ADV_NOISE_SHARE = 1e-2
 
 
-def _adv_tier(i: int) -> dict[str, pl.Expr]:
-    above = _A.is_not_null() & (_A.abs() > ADV_TIERS[i])
-    return {f"adv_n{i}": above.cast(pl.Int64).sum(), f"adv_q{i}": (_A**2).filter(above).sum()}
-
-
 def _advantage_extreme(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
-    names = [f"adv_{k}{i}" for i in range(len(ADV_TIERS)) for k in ("n", "q")]
-    per_step = frame.group_by("step").agg(*(merged(n) for n in names), merged(ADV_MAX))
+    tier = pl.col(_TIERS.key)
+    # above floor i: the tiers past i (a token's tier is how many floors it is above)
+    per_step = frame.group_by("step").agg(
+        *(
+            pl.col(ADV_TIER_N).filter(tier > i).sum().alias(f"adv_n{i}")
+            for i in range(len(ADVANTAGE_TIERS))
+        ),
+        *(
+            ordered_sum(pl.col(ADV_TIER_Q).filter(tier > i)).alias(f"adv_q{i}")
+            for i in range(len(ADVANTAGE_TIERS))
+        ),
+        pl.col(ADV_MAX).max(),
+    )
     scale = (pl.col("adv_q0") / pl.col("adv_n0")).sqrt()
-    tier = pl.lit(0)
-    for i, floor in enumerate(ADV_TIERS[1:], start=1):
-        tier = pl.when(scale * ADV_NOISE_SHARE >= floor).then(i).otherwise(tier)
+    floor = pl.lit(0)
+    for i, at in enumerate(ADVANTAGE_TIERS[1:], start=1):
+        floor = pl.when(scale * ADV_NOISE_SHARE >= at).then(i).otherwise(floor)
 
-    def at_tier(kind: str) -> pl.Expr:
+    def at_floor(kind: str) -> pl.Expr:
         picked = pl.lit(None, dtype=pl.Float64)
-        for i in range(len(ADV_TIERS)):
-            picked = pl.when(pl.col("tier") == i).then(pl.col(f"adv_{kind}{i}")).otherwise(picked)
+        for i in range(len(ADVANTAGE_TIERS)):
+            picked = pl.when(pl.col("floor") == i).then(pl.col(f"adv_{kind}{i}")).otherwise(picked)
         return picked.cast(pl.Float64)
 
     rms = (pl.col("q") / pl.col("n")).sqrt()
     return (
-        per_step.with_columns(tier.alias("tier"))
-        .with_columns(at_tier("n").alias("n"), at_tier("q").alias("q"))
+        per_step.with_columns(floor.alias("floor"))
+        .with_columns(at_floor("n").alias("n"), at_floor("q").alias("q"))
         .select(
             "step",
             pl.when((pl.col("n") >= 2) & (pl.col("q") > 0))
@@ -714,8 +717,8 @@ def _advantage_extreme(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
             pl.col("n").alias("extra_n"),
             pl.col(ADV_MAX).alias("extra_max_abs"),
             rms.alias("extra_rms"),
-            pl.col("tier")
-            .replace_strict(dict(enumerate(ADV_TIERS)), return_dtype=pl.Float64)
+            pl.col("floor")
+            .replace_strict(dict(enumerate(ADVANTAGE_TIERS)), return_dtype=pl.Float64)
             .alias("extra_noise_floor"),
         )
     )
@@ -758,15 +761,17 @@ DECLARED.metric(
         healthy="a few units; below ~√(2 ln 2n) for n tokens a step",
         references="verl critic/advantages/max, min; extreme-value theory (Gumbel)",
         variants=(
-            custom(
+            Variant(
                 "tokens",
                 ("advantage",),
                 _advantage_extreme,
                 {
-                    **{k: v for i in range(len(ADV_TIERS)) for k, v in _adv_tier(i).items()},
-                    ADV_MAX: _A.abs().max(),
+                    ADV_TIER_N: _TIERS.partial("count"),
+                    ADV_TIER_Q: _TIERS.partial("squares"),
+                    ADV_MAX: _TIERS.partial("max_abs"),
                 },
                 source="tokens: max |advantage| / RMS of the advantages above float noise",
+                level="advantage_tiers",
             ),
             custom(
                 "steps",

@@ -4,11 +4,12 @@
 The token table is most of a run's bytes (a row per generated token), so it is read by this
 module alone, one file at a time and once per `analyze`: each file (in batches of row groups)
 is reduced to small per-step partial aggregates — the per-step sums, the per-(step, entropy
-bin) histogram, the per-(step, segment) sums and the per-(step, rollout_id) token counts that
-find tokens without a rollout — which are all sums (or maxima), so merging files (or batches,
-or machines) is a group-by-sum. A batch sorted by step is reduced step by step without hashing
-rows, and the segment and rollout levels from the runs of rows of one (rollout, segment), a row
-per run. That makes three things cheap:
+bin) and per-(step, advantage tier) histograms, the per-(step, segment) sums and the
+per-(step, rollout_id) token counts (and per-rollout sums) that find tokens without a rollout —
+which are all sums (or maxima), so merging files (or batches, or machines) is a group-by-sum.
+A batch sorted by step is reduced step by step without hashing rows, the histograms by
+bincounts, and the segment and rollout levels from the runs of rows of one (rollout, segment),
+a row per run. That makes three things cheap:
 
 * memory: a batch of at most `BATCH_ROWS` rows is in memory at a time (per worker), whatever the
   run's size; what is kept is per step, never per token;
@@ -37,10 +38,12 @@ from rlscope.tokenscan.mapmerge import (
     value_columns,
 )
 from rlscope.tokenscan.plan import (
+    ADVANTAGE_TIERS,
     BIN_COUNT,
     ENTROPY_BIN_OFFSET,
     ENTROPY_BINS_PER_EFOLD,
     FILE_ID,
+    HISTOGRAMS,
     LEVEL_KEYS,
     MAX_PREFIX,
     ROWS,
@@ -56,10 +59,12 @@ from rlscope.tokenscan.plan import (
 from rlscope.tokenscan.reduce import collect_all
 
 __all__ = [
+    "ADVANTAGE_TIERS",
     "BIN_COUNT",
     "ENTROPY_BINS_PER_EFOLD",
     "ENTROPY_BIN_OFFSET",
     "FILE_ID",
+    "HISTOGRAMS",
     "LEVEL_KEYS",
     "MAX_PREFIX",
     "ROWS",

@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Literal
 
 import numpy as np
 import polars as pl
@@ -30,17 +31,21 @@ ROWS = "__rows__"  # token rows per step (the step level), for the null-step war
 LEVEL_KEYS: dict[str, tuple[str, ...]] = {
     "": ("step",),
     "entropy_bins": ("step", "entropy_bin"),
+    "advantage_tiers": ("step", "adv_tier"),
     "segments": ("step", "segment"),
     "ids": ("step", "rollout_id"),
 }
 _KEY_TYPES = {
     "step": pl.Int64,
     "entropy_bin": pl.Int32,
+    "adv_tier": pl.Int32,
     "segment": pl.String,
     "rollout_id": pl.Int64,
 }
-#: The one partial of the entropy_bins level: tokens per (step, bin).
-BIN_COUNT = pl.col("entropy").count().cast(pl.Int64)
+#: |advantage| floors: a token's tier is how many of them its |advantage| is above (0 to 5), so
+#: that the tokens above each floor (their count, Σ a², largest |a|) are sums over tiers, and a
+#: step's noise floor can be chosen from its own scale once its files are merged.
+ADVANTAGE_TIERS = (0.0, 1e-12, 1e-9, 1e-6, 1e-3)
 FILE_ID = "__file_id__"  # a cached file's id within its run's pack
 FILE = "__file__"  # a file's index within a chunk
 #: The partial aggregations the merge (a sum) is exact for; a token partial must end in one.
@@ -64,22 +69,6 @@ def entropy_bins(entropy: pl.Series) -> np.ndarray:
     return _bins_into(values, np.empty(values.size), np.empty(values.size, np.int32))
 
 
-def entropy_histogram(entropy: pl.Series) -> np.ndarray:
-    """Tokens per bin of `entropy_bins` (ENTROPY_MAX_BIN + 1 counts), for a series without
-    nulls, binned a block at a time through one small scratch buffer: the passes over a
-    batch's entropies run in cache, not in memory (a third less CPU in a scan at 100M tokens)."""
-    values = entropy.to_numpy()
-    block = min(values.size, BIN_BLOCK_ROWS) or 1
-    scaled, bins = np.empty(block), np.empty(block, np.intp)
-    tally = np.zeros(ENTROPY_MAX_BIN + 1, np.int64)
-    for start in range(0, values.size, block):
-        part = values[start : start + block]
-        tally += np.bincount(
-            _bins_into(part, scaled[: part.size], bins[: part.size]), minlength=tally.size
-        )
-    return tally
-
-
 def _bins_into(values: np.ndarray, scaled: np.ndarray, bins: np.ndarray) -> np.ndarray:
     """`entropy_bins` of `values`, computed in `scaled` (float64) and returned in `bins`."""
     np.maximum(values, 0.0, out=scaled)
@@ -89,6 +78,88 @@ def _bins_into(values: np.ndarray, scaled: np.ndarray, bins: np.ndarray) -> np.n
     np.minimum(scaled, ENTROPY_MAX_BIN, out=scaled)
     np.copyto(bins, scaled, casting="unsafe")  # truncation = floor (>= 0)
     return bins
+
+
+def _tiers_into(values: np.ndarray, scaled: np.ndarray, bins: np.ndarray) -> np.ndarray:
+    """Each value's tier (ADVANTAGE_TIERS), |value| computed in `scaled`, returned in `bins`."""
+    np.abs(values, out=scaled)
+    bins[:] = np.searchsorted(ADVANTAGE_TIERS, scaled, side="left")
+    return bins
+
+
+#: What a histogram level can aggregate per (step, bin): its column's count, sum of squares
+#: (float64), largest magnitude (a MAX_PREFIX partial).
+HistogramKind = Literal["count", "squares", "max_abs"]
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A level of tokens per (step, bin of one column's value), reduced in numpy: `into` maps a
+    block of a batch's non-null values to bin indexes in [0, size), through float64 scratch."""
+
+    column: str
+    key: str
+    size: int
+    into: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+    def partial(self, kind: HistogramKind) -> pl.Expr:
+        """The expression a partial of this kind is declared as (what Polars would compute)."""
+        values = pl.col(self.column)
+        if kind == "count":
+            return values.count().cast(pl.Int64)
+        if kind == "squares":
+            return (values.cast(pl.Float64) ** 2).sum()
+        return values.cast(pl.Float64).abs().max()
+
+    def kind(self, expr: pl.Expr) -> HistogramKind | None:
+        kinds: tuple[HistogramKind, ...] = ("count", "squares", "max_abs")
+        return next((k for k in kinds if expr.meta.eq(self.partial(k))), None)
+
+
+#: The histogram levels: entropy bins (behavior.entropy_p80's quantile), advantage tiers
+#: (stability.advantage_extreme's noise floors: five Polars filters a token cost half the
+#: step level's time, a bincount a tenth).
+HISTOGRAMS = {
+    "entropy_bins": Histogram("entropy", "entropy_bin", ENTROPY_MAX_BIN + 1, _bins_into),
+    "advantage_tiers": Histogram("advantage", "adv_tier", len(ADVANTAGE_TIERS) + 1, _tiers_into),
+}
+#: The one partial of the entropy_bins level: tokens per (step, bin).
+BIN_COUNT = HISTOGRAMS["entropy_bins"].partial("count")
+
+
+def histogram_tally(
+    histogram: Histogram,
+    values: np.ndarray,
+    kinds: Mapping[str, HistogramKind],
+    group: np.ndarray | None = None,
+    groups: int = 1,
+) -> dict[str, np.ndarray]:
+    """Each partial (name -> kind) per (group, bin), flat (group · size + bin), over `values`
+    (no nulls; `group`: each value's group index, else one group). The bins are computed a
+    block at a time through one small float64 scratch buffer (the passes over a batch run in
+    cache, not in memory: a third less CPU in a scan at 100M tokens), the tallies in one pass
+    over the batch: a group's float sum is then its rows' in order from 0, the same bits
+    whichever rows come before it (a file reduced alone or pooled with others)."""
+    width = groups * histogram.size
+    index = np.empty(values.size, np.intp)
+    block = min(values.size, BIN_BLOCK_ROWS) or 1
+    scaled = np.empty(block)
+    for start in range(0, values.size, block):
+        part = values[start : start + block]
+        histogram.into(part, scaled[: part.size], index[start : start + part.size])
+    if group is not None:
+        index += group * histogram.size
+    tallies: dict[str, np.ndarray] = {}
+    for name, kind in kinds.items():
+        if kind == "count":
+            tallies[name] = np.bincount(index, minlength=width).astype(np.int64)
+        elif kind == "squares":
+            squares = np.square(values, dtype=np.float64)
+            tallies[name] = np.bincount(index, weights=squares, minlength=width)
+        else:
+            tallies[name] = np.full(width, -np.inf)
+            np.maximum.at(tallies[name], index, np.abs(values))
+    return tallies
 
 
 def entropy_bin_midpoint(bin_index: pl.Expr) -> pl.Expr:
@@ -149,8 +220,9 @@ class TokenPlan:
                 raise ValueError(f"unknown token level {level!r}")
             if level == "ids" and any(n == "len" or n.startswith(MAX_PREFIX) for n in exprs):
                 raise ValueError("the ids level's partials are sums (its own `len` is its rows)")
-            if level == "entropy_bins" and [e.meta.eq(BIN_COUNT) for e in exprs.values()] != [True]:
-                raise ValueError("the entropy_bins level is a histogram: one partial, BIN_COUNT")
+            if level in HISTOGRAMS:
+                self.histogram_kinds(level)  # raises for a partial of another shape
+                continue
             for name, expr in exprs.items():
                 if name.startswith(MAX_PREFIX):
                     if not _aggregation(expr).endswith("max()"):
@@ -177,6 +249,19 @@ class TokenPlan:
                 return None
             shapes[name] = (kinds[0], column)
         return shapes
+
+    def histogram_kinds(self, level: str) -> dict[str, HistogramKind]:
+        """A histogram level's partials by kind (`Histogram.partial`)."""
+        histogram, kinds = HISTOGRAMS[level], {}
+        for name, expr in self.partials[level].items():
+            kind = histogram.kind(expr)
+            if kind is None or (kind == "max_abs") != name.startswith(MAX_PREFIX):
+                raise ValueError(
+                    f"the {level} level is a histogram of {histogram.column}: {name!r} must be "
+                    f"its count, sum of squares or (named {MAX_PREFIX}…) largest magnitude"
+                )
+            kinds[name] = kind
+        return kinds
 
     @cached_property
     def ids_run_sums(self) -> dict[str, tuple[str, pl.Expr]] | None:
@@ -210,8 +295,7 @@ class TokenPlan:
         for exprs in (*self.partials.values(), self.prelude):
             for expr in exprs.values():
                 used.update(expr.meta.root_names())
-        if "entropy_bins" in self.partials:
-            used.add("entropy")
+        used.update(HISTOGRAMS[level].column for level in self.partials if level in HISTOGRAMS)
         if "segments" in self.partials:
             used.add("segment")
         if self.has_ids:
@@ -223,6 +307,7 @@ class TokenPlan:
         expressions, the binning and the unified types of the columns read."""
         parts = [__version__, repr(sorted(self.count_invalid)), str(self.ids)]
         parts += [f"{ENTROPY_BINS_PER_EFOLD}/{ENTROPY_BIN_OFFSET}/{ENTROPY_MAX_BIN}"]
+        parts += [repr(ADVANTAGE_TIERS)]
         for level in sorted(self.partials):
             parts += [f"{level}:{n}={e}" for n, e in sorted(self.partials[level].items())]
         parts += [f"prelude:{n}={e}" for n, e in self.prelude.items()]

@@ -17,12 +17,11 @@ from rlscope.reader import INVALID_PREFIX, conform
 from rlscope.store import RunPath, arrow_source, polars_options
 from rlscope.tokenscan import limits
 from rlscope.tokenscan.plan import (
-    ENTROPY_MAX_BIN,
+    HISTOGRAMS,
     ROWS,
     TokenFile,
     TokenPlan,
-    entropy_bins,
-    entropy_histogram,
+    histogram_tally,
 )
 
 
@@ -364,12 +363,12 @@ def _grouped_levels(
     """Every level of conformed rows grouped by `keys` (["step"], or [FILE, "step"] for
     several files at once): small or unsorted batches. Float sums go through a hash group-by
     (a slice's sum would depend on where the slice starts in the batch, so on which files a
-    file is reduced with); the entropy histogram, counts, by runs of rows of equal keys (a
-    file's rows are contiguous, a step's usually too) in one bincount."""
+    file is reduced with); the histograms by runs of rows of equal keys (a file's rows are
+    contiguous, a step's usually too) in bincounts."""
     queries: dict[str, pl.LazyFrame | pl.DataFrame] = dict(_level_queries(frame.lazy(), plan, keys))
-    if "entropy_bins" not in plan.partials or not frame.height:
+    levels = [level for level in plan.partials if level in HISTOGRAMS]
+    if not levels or not frame.height:
         return queries
-    (name,) = plan.partials["entropy_bins"]
     columns = []
     for key in keys:
         values = frame[key].to_physical()
@@ -387,40 +386,52 @@ def _grouped_levels(
     )[1:]
     lengths = np.diff(starts, append=frame.height)
     row_group = np.repeat(group.reshape(-1).astype(np.int64), lengths)
-    entropy = frame["entropy"]
-    if entropy.null_count():
-        row_group = row_group[entropy.is_not_null().to_numpy()]
-        entropy = entropy.drop_nulls()
-    width = ENTROPY_MAX_BIN + 1
-    tally = np.bincount(row_group * width + entropy_bins(entropy), minlength=firsts.size * width)
-    found = np.flatnonzero(tally)
-    queries["entropy_bins"] = (
-        frame.select(keys)
-        .gather(starts[firsts[found // width]])
-        .with_columns(
-            pl.Series("entropy_bin", (found % width).astype(np.int32)),
-            pl.Series(name, tally[found].astype(np.int64)),
+    for level in levels:
+        found, tallies = _histogram(frame, plan, level, row_group, firsts.size)
+        width = HISTOGRAMS[level].size
+        queries[level] = (
+            frame.select(keys)
+            .gather(starts[firsts[found // width]])
+            .with_columns(
+                pl.Series(HISTOGRAMS[level].key, (found % width).astype(np.int32)),
+                *(pl.Series(name, tally) for name, tally in tallies.items()),
+            )
         )
-    )
     return queries
+
+
+def _histogram(
+    frame: pl.DataFrame,
+    plan: TokenPlan,
+    level: str,
+    row_group: np.ndarray | None = None,
+    groups: int = 1,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """A histogram level of conformed rows (each row's group in `row_group`, else one group):
+    the flat (group · size + bin) indexes of its non-empty bins and each partial there."""
+    histogram = HISTOGRAMS[level]
+    kinds = plan.histogram_kinds(level)
+    values = frame[histogram.column]
+    if values.null_count():
+        present = values.is_not_null().to_numpy()
+        row_group = None if row_group is None else row_group[present]
+        values = values.drop_nulls()
+    counted = {**kinds, ROWS: "count"}  # the bins with tokens, whatever the partials
+    tallies = histogram_tally(histogram, values.to_numpy(), counted, row_group, groups)
+    found = np.flatnonzero(tallies.pop(ROWS))
+    return found, {name: tally[found] for name, tally in tallies.items()}
 
 
 def _step_levels(piece: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.LazyFrame | pl.DataFrame]:
     """Every level of one step's run of conformed rows, each with that step as a column: a
     plain select (no hashing of every row's step), the run levels of `_run_levels` and the
-    entropy histogram as a bincount."""
+    histograms as bincounts."""
     step = piece["step"][0]
     frames = _run_levels(piece, plan)
     queries = _level_queries(piece.lazy(), plan, [], done=frames)
-    if "entropy_bins" in plan.partials:
-        (name,) = plan.partials["entropy_bins"]
-        entropy = piece["entropy"]
-        entropy = entropy.drop_nulls() if entropy.null_count() else entropy
-        tally = entropy_histogram(entropy)
-        found = np.flatnonzero(tally)
-        frames["entropy_bins"] = pl.DataFrame(
-            {"entropy_bin": found.astype(np.int32), name: tally[found].astype(np.int64)}
-        )
+    for level in (level for level in plan.partials if level in HISTOGRAMS):
+        found, tallies = _histogram(piece, plan, level)
+        frames[level] = pl.DataFrame({HISTOGRAMS[level].key: found.astype(np.int32), **tallies})
     levels: dict[str, pl.LazyFrame | pl.DataFrame] = {
         level: query.select(pl.lit(step, pl.Int64).alias("step"), pl.all())
         for level, query in queries.items()
