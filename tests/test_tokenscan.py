@@ -809,9 +809,9 @@ def test_the_entropy_histogram_in_blocks_counts_every_bin_of_every_row(
 
 
 def test_the_advantage_tiers_tally_equals_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Per (group, tier): the tokens, Σ a² (float64) and the largest |a|, blocks forced small,
-    against numpy masks: a tier is how many of the floors |a| is strictly above (0 in tier 0,
-    a float-noise 1e-17 in tier 1, 5e-4 in tier 4, 0.3 in tier 5)."""
+    """Per (group, tier): the tokens, Σ a² (float64) and the group's largest |a|, blocks forced
+    small, against numpy masks: a tier is how many of the floors |a| is strictly above (0 in
+    tier 0, a float-noise 1e-17 in tier 1, 5e-4 in tier 4, 0.3 in tier 5)."""
     monkeypatch.setattr(tokenscan.plan, "BIN_BLOCK_ROWS", 700)
     rng = np.random.default_rng(5)
     values = (rng.normal(0, 1, 3000) * 10.0 ** rng.integers(-18, 1, 3000)).astype(np.float32)
@@ -830,7 +830,8 @@ def test_the_advantage_tiers_tally_equals_numpy(monkeypatch: pytest.MonkeyPatch)
             flat = g * histogram.size + t
             assert tallies["n"][flat] == at.sum()
             assert tallies["q"][flat] == pytest.approx(np.sum(magnitude[at] ** 2), rel=1e-12)
-            assert tallies["max__a"][flat] == (magnitude[at].max() if at.any() else -np.inf)
+            of_group = magnitude[group == g]
+            assert tallies["max__a"][flat] == (of_group.max() if of_group.size else -np.inf)
 
 
 def test_a_step_whose_segments_are_all_null_has_no_segment_rows(

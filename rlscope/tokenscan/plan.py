@@ -83,12 +83,15 @@ def _bins_into(values: np.ndarray, scaled: np.ndarray, bins: np.ndarray) -> np.n
 def _tiers_into(values: np.ndarray, scaled: np.ndarray, bins: np.ndarray) -> np.ndarray:
     """Each value's tier (ADVANTAGE_TIERS), |value| computed in `scaled`, returned in `bins`."""
     np.abs(values, out=scaled)
-    bins[:] = np.searchsorted(ADVANTAGE_TIERS, scaled, side="left")
+    np.greater(scaled, ADVANTAGE_TIERS[0], out=bins, casting="unsafe")
+    for floor in ADVANTAGE_TIERS[1:]:  # a compare per floor: half searchsorted's time
+        bins += scaled > floor
     return bins
 
 
 #: What a histogram level can aggregate per (step, bin): its column's count, sum of squares
-#: (float64), largest magnitude (a MAX_PREFIX partial).
+#: (float64), and the largest magnitude of the step's values (a MAX_PREFIX partial: the step's,
+#: on each of its bins; per bin, np.maximum.at cost 5x the rest of the advantage tiers).
 HistogramKind = Literal["count", "squares", "max_abs"]
 
 
@@ -157,9 +160,21 @@ def histogram_tally(
             squares = np.square(values, dtype=np.float64)
             tallies[name] = np.bincount(index, weights=squares, minlength=width)
         else:
-            tallies[name] = np.full(width, -np.inf)
-            np.maximum.at(tallies[name], index, np.abs(values))
+            tallies[name] = np.repeat(_group_max_abs(values, group, groups), histogram.size)
     return tallies
+
+
+def _group_max_abs(values: np.ndarray, group: np.ndarray | None, groups: int) -> np.ndarray:
+    """The largest |value| of each group (-inf for an empty one), from its runs of rows."""
+    largest = np.full(groups, -np.inf)
+    if not values.size:
+        return largest
+    if group is None:
+        largest[0] = np.abs(values).max()
+        return largest
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(group)) + 1))
+    np.maximum.at(largest, group[starts], np.maximum.reduceat(np.abs(values), starts))
+    return largest
 
 
 def entropy_bin_midpoint(bin_index: pl.Expr) -> pl.Expr:

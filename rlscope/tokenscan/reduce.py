@@ -299,9 +299,16 @@ def _run_levels(frame: pl.DataFrame, plan: TokenPlan) -> dict[str, pl.DataFrame]
             "len": np.add.reduceat(lengths, at),
         }
         if sums:
-            rows = frame.select(inner.alias(name) for name, (_, inner) in sums.items())
-            for name, (kind, _) in sums.items():
-                columns[name] = _per_run(kind, rows[name], starts[at], columns["len"])
+            # Each distinct per-row expression once, lazily (the eager select evaluates shared
+            # subexpressions once per use: 3x the time for a k3 KL's sum, count and squares).
+            inners: list[pl.Expr] = []
+            for _, inner in sums.values():
+                if not any(inner.meta.eq(seen) for seen in inners):
+                    inners.append(inner)
+            rows = frame.lazy().select(e.alias(str(i)) for i, e in enumerate(inners)).collect()
+            for name, (kind, inner) in sums.items():
+                which = next(i for i, seen in enumerate(inners) if inner.meta.eq(seen))
+                columns[name] = _per_run(kind, rows[str(which)], starts[at], columns["len"])
         levels["ids"] = pl.DataFrame(columns)
     if segment is not None and shapes is not None:
         levels["segments"] = _segment_sums(
