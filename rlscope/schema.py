@@ -164,7 +164,13 @@ TABLES: dict[str, Table] = {
                 _c("return", _F32, False, "the critic's regression target at this position"),
                 _c("advantage", _F32, False, "token advantage"),
                 _c("clipped", _BOOL, False, "PPO clip active"),
-                _c("segment", pl.Categorical(), False, "think/answer/tool_call/tool_response/text"),
+                _c(
+                    "segment",
+                    pl.Categorical(),
+                    False,
+                    "think/answer/tool_call/tool_response/text; a tag's tokens belong to the "
+                    "segment the tag opens or closes",
+                ),
             ),
         ),
         Table(

@@ -7,6 +7,7 @@ Python loop per rollout, and no text is kept once its features are computed.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -274,20 +275,64 @@ def sequence_key(actions: pl.Expr) -> pl.Expr:
     return actions.list.eval(pl.element().str.strip_chars()).list.join("\x1f").hash()
 
 
+def segment_spans(text: str, tags: TagSet | None = None) -> list[tuple[str, int, int]]:
+    """A response's tagged segments as (segment, start, end) character spans, in order, each
+    span from its opening tag to its closing tag inclusive (the tags belong to the segment
+    they open or close); characters in no span are `text`.
+
+    A segment is an opening tag and the nearest closing tag of the same name (`<think>` …
+    `</think>`: the first such pair from the left, then the next after it). An opening tag
+    that is never closed opens a segment that runs to the next opening tag, or to the end of
+    the text: a completion cut at the length cap inside its reasoning is reasoning. (The L2
+    word counts and format checks, Polars expressions above, read closed segments only.)
+    The one parser of segments in Python: `parse_segments` (display) and the token writers'
+    `segment` column (rlscope.integrations.token_segments) use it."""
+    return [(name, start, end) for name, start, end, _, _ in _segment_parts(text, tags)]
+
+
 def parse_segments(text: str, tags: TagSet | None = None) -> list[tuple[str, str]]:
-    """A response split into (segment, text) parts in order; text outside tags is `text`.
-    For display (`rlscope show`); the metrics use the expressions above."""
-    tags = tags or TagSet()
-    by_tag = {t: s for s in SEGMENTS for t in tags.of(s)}
-    names = "|".join(map(re.escape, by_tag))
-    pattern = re.compile(rf"<({names})>(.*?)</\1>", re.S)
+    """A response split into (segment, text) parts in order, the segments' text without their
+    tags (`segment_spans`); text outside tags is `text` (blank stretches left out). For display
+    (`rlscope show`); the metrics use the expressions above."""
     parts: list[tuple[str, str]] = []
     last = 0
-    for match in pattern.finditer(text):
-        if text[last : match.start()].strip():
-            parts.append(("text", text[last : match.start()]))
-        parts.append((by_tag[match.group(1)], match.group(2)))
-        last = match.end()
+    for name, start, end, inner_start, inner_end in _segment_parts(text, tags):
+        if text[last:start].strip():
+            parts.append(("text", text[last:start]))
+        parts.append((name, text[inner_start:inner_end]))
+        last = end
     if text[last:].strip():
         parts.append(("text", text[last:]))
+    return parts
+
+
+@functools.cache
+def _segment_patterns(tags: TagSet) -> tuple[dict[str, str], re.Pattern[str], re.Pattern[str]]:
+    """Segment by tag name, a closed segment (group 1 its tag, 2 its inner text), an opening
+    tag (group 1 its name)."""
+    by_tag = {t: s for s in SEGMENTS for t in tags.of(s)}
+    names = "|".join(map(re.escape, by_tag))
+    return by_tag, re.compile(rf"<({names})>(.*?)</\1>", re.S), re.compile(rf"<({names})>")
+
+
+def _segment_parts(text: str, tags: TagSet | None) -> list[tuple[str, int, int, int, int]]:
+    """(segment, start, end, inner start, inner end) of each segment of `segment_spans`."""
+    by_tag, closed, opening = _segment_patterns(tags or TagSet())
+    parts: list[tuple[str, int, int, int, int]] = []
+
+    def unclosed(begin: int, stop: int) -> None:
+        # Opening tags between closed segments never closed: each runs to the next or to `stop`.
+        found = list(opening.finditer(text, begin, stop))
+        for j, match in enumerate(found):
+            end = found[j + 1].start() if j + 1 < len(found) else stop
+            parts.append((by_tag[match.group(1)], match.start(), end, match.end(), end))
+
+    last = 0
+    for match in closed.finditer(text):
+        unclosed(last, match.start())
+        parts.append(
+            (by_tag[match.group(1)], match.start(), match.end(), match.start(2), match.end(2))
+        )
+        last = match.end()
+    unclosed(last, len(text))
     return parts

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict, deque
+from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,9 +16,13 @@ import numpy as np
 import polars as pl
 import pytest
 from conftest import run_trainer
+from made_tokenizers import EOS, PAD, byte_level_bpe, reference_segments, word_level
+from probe_server import tiny_reasoner_dir
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 import rlscope.integrations.trl as trl_integration
 from rlscope.analysis import analyze
+from rlscope.config import Config
 from rlscope.integrations.trl import RlscopeCallback
 from rlscope.integrations.trl_tokens import (
     ROW_KEY,
@@ -27,8 +33,18 @@ from rlscope.integrations.trl_tokens import (
     token_columns,
     trl_support,
 )
+from rlscope.text import TagSet, TextSettings, segment_spans
 
 TOKEN_METRICS = ("behavior.entropy", "stability.kl", "stability.clip_frac")
+
+
+@cache
+def _id_tokenizer(size: int = 100_000) -> Tokenizer:
+    """A word-level tokenizer whose token i is `t<i>`: what FakeGRPOTrainer's ids decode with."""
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer
+
 
 # --- the mapping ---------------------------------------------------------------------------------
 
@@ -104,10 +120,23 @@ class FakeGRPOTrainer:
     `_get_per_token_logps_and_entropies(compute_entropy=True)` and logs the masked means of
     entropy, k3 and the clipped share, as TRL's `entropy`, `kl`, `clip_ratio/region_mean`.
     Completion i of batch b has token ids 100·(b·rows + i) + pos, and the policy's log-prob
-    and entropy are functions of the id and of the updates done."""
+    and entropy are functions of the id and of the updates done. Its `processing_class` is a
+    word-level tokenizer of those ids (`t<id>`).
+
+    With `tokenizer` and `texts` (the text mode), completion i is instead a random one of
+    `texts` encoded by that real tokenizer, EOS appended, cut at `max_completion_length`
+    tokens (then without EOS), its text decoded from those ids as TRL decodes it; the ids
+    are kept in `generated`, in rollout order, and `eos_token_ids` says which id ends one."""
 
     def __init__(
-        self, per_generation: int = 1, iterations: int = 1, prompts: int = 4, group: int = 4
+        self,
+        per_generation: int = 1,
+        iterations: int = 1,
+        prompts: int = 4,
+        group: int = 4,
+        tokenizer: Tokenizer | None = None,
+        texts: Sequence[str] = (),
+        max_completion_length: int = 6,
     ) -> None:
         self.rows = prompts * group * per_generation
         self.args = SimpleNamespace(
@@ -116,7 +145,14 @@ class FakeGRPOTrainer:
             generation_batch_size=self.rows,
             epsilon=0.2,
             epsilon_high=0.2,
+            max_completion_length=max_completion_length,
         )
+        self.texts = list(texts)
+        self.processing_class = tokenizer if tokenizer is not None else _id_tokenizer()
+        self.generated: list[list[int]] = []
+        if tokenizer is not None:
+            self._tokenizer = tokenizer
+            self.eos_token_ids = [tokenizer.token_to_id(EOS)]
         self.num_iterations = iterations
         self.model = SimpleNamespace(training=True)
         self.state = SimpleNamespace(global_step=0, is_world_process_zero=True)
@@ -139,20 +175,40 @@ class FakeGRPOTrainer:
     def policy(self, ids: np.ndarray) -> np.ndarray:
         return -0.05 * (1 + ids % 7) - 0.3 * self.updates * (ids % 3 - 1)
 
+    def _completions(self, n: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """Token ids (n, width), each completion's length, its text."""
+        width = self.args.max_completion_length
+        if not self.texts:
+            lengths = self.rng.integers(1, width + 1, size=n)
+            base = 100 * (self._batches * n + np.arange(n))
+            ids = base[:, None] + np.arange(width)[None, :]
+            return ids, lengths, [f"completion {b}" for b in base]
+        tokenizer = self.processing_class
+        eos = tokenizer.token_to_id(EOS)
+        rows = [
+            [*tokenizer.encode(self.texts[k]).ids, eos][:width]
+            for k in self.rng.integers(0, len(self.texts), size=n)
+        ]
+        self.generated.extend(rows)
+        ids = np.full((n, width), tokenizer.token_to_id(PAD), dtype=np.int64)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = row
+        texts = tokenizer.decode_batch(rows, skip_special_tokens=True)
+        return ids, np.array([len(r) for r in rows]), texts
+
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
-        n, width = self.rows, 6
-        lengths = self.rng.integers(1, width + 1, size=n)
-        mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
-        base = 100 * (self._batches * n + np.arange(n))
-        ids = base[:, None] + np.arange(width)[None, :]
+        n = self.rows
+        ids, lengths, texts = self._completions(n)
+        mask = (np.arange(ids.shape[1])[None, :] < lengths[:, None]).astype(np.int64)
+        batch = self._batches
         self._batches += 1
         rewards = self.rng.integers(0, 2, size=n).astype(np.float32)
         grouped = rewards.reshape(-1, self.args.num_generations)
         std = grouped.std(axis=1, ddof=1, keepdims=True)
         advantages = ((grouped - grouped.mean(axis=1, keepdims=True)) / (std + 1e-4)).ravel()
         for i in range(n):
-            self._logs["prompt"].append(f"prompt {i // self.args.num_generations} of {base[0]}")
-            self._logs["completion"].append(f"completion {base[i]}")
+            self._logs["prompt"].append(f"prompt {i // self.args.num_generations} of batch {batch}")
+            self._logs["completion"].append(texts[i])
             self._logs["rewards"]["accuracy_reward"].append(float(rewards[i]))
             self._logs["advantages"].append(float(advantages[i]))
         output = {
@@ -217,7 +273,10 @@ def _train(
 ) -> tuple[Path, FakeGRPOTrainer, dict[int, dict[str, float]]]:
     """Drive RlscopeCallback through `steps` of the fake trainer, in HF's event order."""
     trainer = FakeGRPOTrainer(
-        options.pop("per_generation", 1), options.pop("iterations", 1), **options.pop("size", {})
+        options.pop("per_generation", 1),
+        options.pop("iterations", 1),
+        **options.pop("size", {}),
+        **options.pop("fake", {}),
     )
     monkeypatch.setattr(trl_integration, "trl_support", lambda _: None)
     run = tmp_path / "run"
@@ -351,6 +410,119 @@ def test_a_run_stopped_mid_batch_keeps_the_tokens_that_were_trained(
     )
 
 
+#: Completions of the text mode: tags, an answer, a tool call and its response, text outside
+#: tags, and one long enough to be cut at the cap inside its reasoning.
+TEXTS = (
+    "<think> 3 + 4 = 7, so the sum is 7.</think>\n<answer> 7 </answer>",
+    '<think> I should look it up.</think> <tool_call>{"name": "search", '
+    '"arguments": {"q": "capital"}}</tool_call>\n<tool_response> Paris </tool_response>'
+    "\n<answer>Paris</answer>",
+    "Let me think. <think> the answer is 12.</think><answer>12</answer>",
+    "<think> the sum is " + " + ".join(map(str, range(3, 25))) + ", so the sum is",
+)
+
+
+def test_each_token_gets_its_segment_and_each_rollout_its_truncation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Text mode, a real byte-level BPE, completions cut at 64 tokens: every token's `segment`
+    is the reference's for its completion's ids (tokens across a tag's edge, tags, EOS), the
+    entropy by segment per step is the mean of the trainer's entropies of the tokens so
+    labelled, `truncated` is TRL's rule (no EOS at the end), the cap is run.json's
+    max_response_len and the truncation rate per step the truncated share."""
+    tokenizer = byte_level_bpe()
+    fake = {"tokenizer": tokenizer, "texts": TEXTS, "max_completion_length": 64}
+    run, trainer, _ = _train(tmp_path, monkeypatch, 4, fake=fake)
+    tokens, rollouts = _tables(run)
+    generated = trainer.generated
+    assert rollouts["rollout_id"].to_list() == list(range(len(generated)))
+    expected = pl.DataFrame(
+        {
+            "rollout_id": [r for r, ids in enumerate(generated) for _ in ids],
+            "pos": [p for ids in generated for p in range(len(ids))],
+            "expected": [s for ids in generated for s in reference_segments(tokenizer, ids)],
+        },
+        schema_overrides={"pos": pl.Int32},
+    )
+    joined = tokens.join(expected, on=["rollout_id", "pos"], how="full", coalesce=True)
+    assert joined.height == tokens.height == expected.height
+    assert (joined["segment"] == joined["expected"]).all()
+    assert set(tokens["segment"]) == {"think", "answer", "tool_call", "tool_response", "text"}
+    eos = tokenizer.token_to_id(EOS)
+    cut = [ids[-1] != eos for ids in generated]
+    assert rollouts["truncated"].to_list() == cut and 0 < sum(cut) < len(cut)
+    assert json.loads((run / "run.json").read_text())["max_response_len"] == 64
+    report = analyze(run)
+    means = tokens.group_by("step", "segment").agg(pl.col("entropy").cast(pl.Float64).mean())
+    for segment in ("think", "answer", "tool_call", "tool_response"):
+        result = report.metrics[f"behavior.entropy.{segment}"]
+        mine = means.filter(pl.col("segment") == segment).sort("step")
+        assert result.steps == tuple(mine["step"]) and len(result.steps) == 4, segment
+        assert result.values == pytest.approx(mine["entropy"].to_list(), abs=1e-9), segment
+    rate = rollouts.group_by("step").agg(pl.col("truncated").mean()).sort("step")
+    truncation = report.metrics["behavior.truncation_rate"]
+    assert "truncated" in truncation.source
+    assert truncation.values == pytest.approx(rate["truncated"].to_list())
+
+
+def test_the_tags_of_the_working_directory_config_label_the_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No `config=`: the callback labels with the tags of ./rlscope.toml, the file `rlscope
+    analyze` reads from the same place; `config=` wins over it."""
+    tokenizer = word_level(("<reasoning>", "</reasoning>", "<think>", "</think>", "7"))
+    fake = {"tokenizer": tokenizer, "texts": ["<reasoning> 7 </reasoning> <think> 7 </think>"]}
+    fake["max_completion_length"] = 8
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rlscope.toml").write_text('[tags]\nthink = ["reasoning"]\n')
+    run, _, _ = _train(tmp_path / "a", monkeypatch, 1, fake=fake)
+    by_pos = _tables(run)[0].filter(pl.col("rollout_id") == 0).sort("pos")["segment"]
+    assert by_pos.to_list() == ["think"] * 3 + ["text"] * 4
+    config = Config(text=TextSettings(tags=TagSet(think=("think",))))
+    run, _, _ = _train(tmp_path / "b", monkeypatch, 1, fake=fake, config=config)
+    by_pos = _tables(run)[0].filter(pl.col("rollout_id") == 0).sort("pos")["segment"]
+    assert by_pos.to_list() == ["text"] * 3 + ["think"] * 3 + ["text"]
+
+
+def test_tokens_that_cannot_be_aligned_get_a_null_segment_not_a_guess(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Completions ending in a genuine U+FFFD after a character split over byte tokens (see
+    test_token_segments): their tokens are written with a null segment and a warning, and
+    the entropy by segment is skipped with its reason, not 0."""
+    fake = {"tokenizer": byte_level_bpe(), "texts": ["<think> é </think> \ufffd"]}
+    fake["max_completion_length"] = 64
+    with pytest.warns(RuntimeWarning, match="could not be aligned"):
+        run, _, _ = _train(tmp_path, monkeypatch, 2, fake=fake)
+    tokens, rollouts = _tables(run)
+    assert tokens.height == rollouts["response_len"].sum() > 0
+    assert tokens["segment"].null_count() == tokens.height
+    report = analyze(run)
+    assert "behavior.entropy.think" not in report.metrics
+    skipped = {s.metric: s.reason for s in report.skipped}
+    assert "no token labelled `think`" in skipped["behavior.entropy.think"]
+
+
+def test_a_trainer_without_a_tokenizer_writes_tokens_without_segments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = FakeGRPOTrainer()
+    trainer.processing_class = None  # type: ignore[assignment]
+    monkeypatch.setattr(trl_integration, "trl_support", lambda _: None)
+    with pytest.warns(RuntimeWarning, match="cannot decode token ids"):
+        callback = RlscopeCallback(tmp_path / "run", correct_reward="accuracy_reward")
+        callback.bind(trainer)
+    state, control = trainer.state, SimpleNamespace(should_training_stop=False)
+    callback.on_train_begin(trainer.args, state, control)
+    trainer.training_step()
+    state.global_step = 1
+    callback.on_log(trainer.args, state, control, logs={"loss": 0.0})
+    callback.close()
+    tokens, rollouts = _tables(tmp_path / "run")
+    assert tokens.height == rollouts["response_len"].sum() and "segment" not in tokens.columns
+    assert "truncated" not in rollouts.columns  # no eos_token_ids: TRL's rule unknown
+
+
 def test_the_tap_never_breaks_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors the tap cannot read (here: no completion_mask) warn once; training goes on and
     rollouts are written with their lengths re-counted from text."""
@@ -424,6 +596,96 @@ def test_a_genuine_trl_run_gets_the_token_layer_and_it_equals_trls_logs(
         steps["completions/mean_length"].to_list()
     )
     assert not [f for f in report.findings if f.id == "logged-metric-mismatch"]
+    # Truncation judged from the tap's per-completion flags, TRL's own rule: its logged share.
+    assert json.loads((run / "run.json").read_text())["max_response_len"] == 4
+    truncation = report.metrics["behavior.truncation_rate"]
+    assert "rollouts.truncated" in truncation.source and len(truncation.steps) == 50
+    clipped = dict(zip(steps["step"], steps["completions/clipped_ratio"], strict=True))
+    for step, value in zip(truncation.steps, truncation.values, strict=True):
+        assert value == pytest.approx(clipped[step], abs=1e-12), step
+    assert max(truncation.values) > 0  # a filler word makes a 4-token answer: no room for EOS
+
+
+def _vocabulary_labels(model_dir: Path, ids: list[int], response: str) -> list[str]:
+    """Each token's segment from the tiny reasoner's vocabulary itself, apart from the writer's
+    decoding: a token's text is its vocabulary entry with the byte-level space `Ġ` as " " (a
+    special token's, EOS, empty), and must add up to TRL's decoded completion; its segment is
+    that of its first non-whitespace character in rlscope.text.segment_spans (else of its
+    first character; `text` when it has none)."""
+    vocabulary = json.loads((model_dir / "tokenizer.json").read_text())
+    special = {t["id"] for t in vocabulary["added_tokens"] if t["special"]}
+    entries = {i: t for t, i in vocabulary["model"]["vocab"].items()}
+    pieces = ["" if i in special else entries[i].replace("Ġ", " ") for i in ids]
+    assert "".join(pieces) == response
+    spans = segment_spans(response)
+    labels, at = [], 0
+    for piece in pieces:
+        first = at + (len(piece) - len(piece.lstrip())) if piece.strip() else at
+        labels.append(next((s for s, a, b in spans if a <= first < b), "text"))
+        at += len(piece)
+    return labels
+
+
+@pytest.mark.slow
+def test_a_genuine_trl_run_gets_the_entropy_of_each_segment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny reasoner (tests/trainers/tiny_reasoner.py: `<think> … </think> <answer> …
+    </answer>`, a word-level vocabulary in the byte-level alphabet, `Ġ12`) trained by
+    GRPOTrainer with the callback (trl_probe.py, no probing), 10 steps, completions cut at 16
+    tokens (most `Add` chains, in their reasoning or answer). The trainer script dumps every
+    completion's ids; each token's segment from the vocabulary entries of those ids and the
+    tag spans of TRL's decoded completion (`_vocabulary_labels`, not the writer's decoding)
+    equals the table's; the entropy by segment `analyze` reports equals the per-step mean of
+    the table's entropies so labelled; the all-token mean still equals TRL's logged `entropy`
+    (measured: |Δ| < 1e-8); the truncation rate equals TRL's completions/clipped_ratio, and
+    the tokens of reasoning cut by the cap are think tokens."""
+    model_dir = tiny_reasoner_dir()
+    monkeypatch.setenv("TRAINER_MAX_COMPLETION_LENGTH", "16")
+    monkeypatch.setenv("TRAINER_DUMP_IDS", str(tmp_path / "ids.jsonl"))
+    run = tmp_path / "run"
+    run_trainer("trl_probe.py", model_dir, run, 10, 0)
+    dumped = [json.loads(line) for line in (tmp_path / "ids.jsonl").read_text().splitlines()]
+    tokens, rollouts = _tables(run)
+    steps = _steps(run)
+    assert json.loads((run / "run.json").read_text())["max_response_len"] == 16
+    assert rollouts["rollout_id"].to_list() == list(range(len(dumped))) == list(range(320))
+    expected = pl.DataFrame(
+        {
+            "rollout_id": [r for r, ids in enumerate(dumped) for _ in ids],
+            "pos": [p for ids in dumped for p in range(len(ids))],
+            "expected": [
+                label
+                for ids, response in zip(dumped, rollouts["response"], strict=True)
+                for label in _vocabulary_labels(model_dir, ids, response)
+            ],
+        },
+        schema_overrides={"pos": pl.Int32},
+    )
+    joined = tokens.join(expected, on=["rollout_id", "pos"], how="full", coalesce=True)
+    assert joined.height == tokens.height == expected.height
+    assert (joined["segment"] == joined["expected"]).all()
+    cut = rollouts.filter(pl.col("truncated") & ~pl.col("response").str.contains("</think>"))
+    assert cut.height > 0  # cut inside the reasoning: its tokens are think, to the end
+    in_cut = tokens.filter(pl.col("rollout_id").is_in(cut["rollout_id"].implode()))
+    assert (in_cut["segment"] == "think").all()
+
+    report = analyze(run)
+    means = joined.group_by("step", "expected").agg(pl.col("entropy").cast(pl.Float64).mean())
+    for segment in ("think", "answer"):
+        result = report.metrics[f"behavior.entropy.{segment}"]
+        mine = means.filter(pl.col("expected") == segment).sort("step")
+        assert result.steps == tuple(range(1, 11)) == tuple(mine["step"]), segment
+        assert result.values == pytest.approx(mine["entropy"].to_list(), abs=1e-9), segment
+    for segment in ("tool_call", "tool_response"):  # none in this task: skipped, not 0
+        assert f"behavior.entropy.{segment}" not in report.metrics
+    entropy = report.metrics["behavior.entropy"]
+    logged = dict(zip(steps["step"], steps["entropy"], strict=True))
+    for step, value in zip(entropy.steps, entropy.values, strict=True):
+        assert value == pytest.approx(logged[step], abs=1e-7), step
+    truncation = report.metrics["behavior.truncation_rate"]
+    assert truncation.values == pytest.approx(steps["completions/clipped_ratio"].to_list())
+    assert min(truncation.values) > 0
 
 
 @pytest.mark.slow
@@ -478,6 +740,7 @@ def test_under_torchrun_the_main_process_writes_every_process_tokens(tmp_path: P
     joined = rollouts.join(per, on="rollout_id")
     assert (joined["len"] == joined["response_len"]).all()
     assert joined["advantage_right"].to_numpy() == pytest.approx(joined["advantage"].to_numpy())
+    assert tokens["segment"].null_count() == 0  # each process labelled its own (no tags: text)
     steps = _steps(run)
     report = analyze(run, metrics=TOKEN_METRICS)
     for metric_id, key in zip(TOKEN_METRICS[:2], ("entropy", "kl"), strict=True):

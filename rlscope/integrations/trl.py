@@ -48,15 +48,23 @@ What it writes:
   `logprob` and `entropy` (what `_compute_loss` got from `_get_per_token_logps_and_entropies`
   at the completion's first pass), `old_logprob` (TRL's `old_per_token_logps`, else, on-policy,
   the log-probs themselves, as TRL does), `ref_logprob` (β > 0), `rollout_logprob` (vLLM's
-  sampling log-probs, when TRL has them) and `advantage`. `step` is the optimizer step of that
+  sampling log-probs, when TRL has them), `advantage` and `segment` (think / answer / tool_call
+  / tool_response / text: where the token's text falls in the completion's tags, by character
+  offsets of the completion decoded with the trainer's `processing_class`; the tags' own
+  tokens belong to the segment they open or close; the tag sets of `config=`, else of the
+  config file `rlscope analyze` finds; null where the tokens cannot be aligned with the text:
+  rlscope.integrations.token_segments). `step` is the optimizer step of that
   first pass: the rollout's step with one generation per step, later for the later
   micro-batches of a batch trained over `steps_per_generation` steps; later passes
   (`num_iterations` > 1) are not written. `token_sample=` `"all"` (default), `"none"`, or a
-  share of the rollouts (every token of each one drawn). See `TokenTap`.
+  share of the rollouts (every token of each one drawn). With the tap, every train rollout
+  also gets `truncated` by TRL's rule for `completions/clipped_ratio` (its last token neither
+  an EOS nor the pad token). See `TokenTap`.
 * **run.json**: `algorithm="GRPO"`, and from `GRPOConfig` unless given: `group_size`
   (`num_generations`), `clip_ratio_low` / `clip_ratio_high` (`epsilon` / `epsilon_high`),
   `max_grad_norm` (TRL logs `grad_norm` before this clip; grad-spike judges what passed it),
-  `scale_rewards` and the reward functions' `reward_weights` (the advantage by reward term).
+  `scale_rewards`, the reward functions' `reward_weights` (the advantage by reward term), and
+  with the tokens tap (exact token counts) `max_response_len` (`max_completion_length`).
 
 Limits, honestly:
 
@@ -79,9 +87,15 @@ Limits, honestly:
   whatever else a model emits; on a tiny random model truncated 24-token completions decode to
   16-23 words), so it is approximate; TRL's `completions/mean_length` is then stored as
   `completions/mean_length_logged` (unless `count_tokens=` is given), so that rlscope does not
-  flag the approximation as a logged-vs-recomputed mismatch. `max_response_len` is not taken
-  from `max_completion_length` either way (TRL's `completions/clipped_ratio` is kept as logged).
+  flag the approximation as a logged-vs-recomputed mismatch. Without the tap neither
+  `truncated` nor `max_response_len` is written (re-counted lengths are not compared with
+  the cap): the truncation rate is TRL's `completions/clipped_ratio` as logged.
 * A batch the rollouts never log (`logging_steps` > 1) has no token rows either.
+* A token has one `segment`: one whose text spans two segments (a SentencePiece-style merge
+  of `.</think>\n<answer>`) takes its first non-whitespace character's. A completion that
+  starts inside a segment whose opening tag is in the prompt (an R1 template ending in
+  `<think>`) has no such tag in its text: its reasoning is `text`, as the rollouts' text
+  metrics see it too.
 * Only the world process zero writes (TRL gathers completions from every rank; the tap gathers
   each process's token rows the same way, `gather_object`, so every process must run the
   callback) and judges; its decision to stop reaches every process through torch.distributed,
@@ -107,7 +121,8 @@ from typing import Any
 import polars as pl
 
 from rlscope.catalog import default_catalog
-from rlscope.config import Config
+from rlscope.config import Config, load_config
+from rlscope.errors import RlscopeError
 from rlscope.importers._common import accuracy_like
 from rlscope.importers.text import answer_expr, prompt_id
 from rlscope.importers.trl import ZERO_STD_ISCLOSE, noisy_zero_std_groups
@@ -124,6 +139,7 @@ from rlscope.probe.interventions import EDITED
 from rlscope.probe.local import LocalModel
 from rlscope.schema import RUN_FIELDS
 from rlscope.tablewriter import next_rollout_id
+from rlscope.text import TagSet
 from rlscope.writer import RunWriter
 
 #: What `probe_every` asks by default: the interventions that need no editor model.
@@ -211,7 +227,9 @@ class RlscopeCallback(_CallbackBase):
     that many steps; default none, or DEFAULT_JUDGE_EVERY with a `stop_on`), `stop_on`
     (`never`, a severity or finding ids: stop training on such a finding, with stop.json),
     `log_metrics` (send rlscope's metrics to the trainer's loggers at each judgement),
-    `config` and `cache_dir` (the analysis'). `judgements` lists every judgement made.
+    `config` and `cache_dir` (the analysis'; `config`'s tag sets also label the tokens'
+    `segment`, else those of the config file found in the working directory). `judgements`
+    lists every judgement made.
 
     Probing (docs/guides/probes.md): `probe_every=K` probes `probe_per_step` of the
     step's rollouts every K steps with the trainer's own model (`model.generate`, greedy, at most
@@ -405,9 +423,24 @@ class RlscopeCallback(_CallbackBase):
             self.tokens = None
         reason = trl_support(self.trainer)
         if reason is None:
-            self.tokens = TokenTap(self.trainer, self.token_share, self._write_tokens)
+            self.tokens = TokenTap(
+                self.trainer, self.token_share, self._write_tokens, tags=self._tags()
+            )
         elif reason:
             self._warn_once("tokens", f"no token table: {reason}; rollouts and steps only")
+
+    def _tags(self) -> TagSet:
+        """The tag sets the tokens' segments are labelled with: `config`'s, else the config file
+        `rlscope analyze` and the in-loop judge find (./rlscope.toml, [tool.rlscope] of
+        ./pyproject.toml), else rlscope's defaults."""
+        config = self.judge_options.get("config")
+        if config is None:
+            try:
+                config = load_config()
+            except RlscopeError as exc:
+                self._warn_once("config", f"token segments with the default tags: {exc}")
+                return TagSet()
+        return config.text.tags
 
     def _write_tokens(self, batch: GenerationBatch, complete_only: bool = False) -> None:
         if self.writer is not None and not self.closed:
@@ -448,6 +481,10 @@ class RlscopeCallback(_CallbackBase):
             meta.setdefault("max_grad_norm", clip)
         if self.length_source == "token_ids":
             meta.setdefault("response_len_unit", "tokens")
+            # The cap on response_len, exact token counts here (GRPOConfig's default 256).
+            cap = _number(getattr(args, "max_completion_length", None))
+            if cap is not None and cap >= 1:
+                meta.setdefault("max_response_len", int(cap))
         meta.update(self._correctness_meta(meta))
         self._next_rollout_id = self._first_rollout_id = next_rollout_id(self.run_dir)
         self.writer = RunWriter(self.run_dir, **self.judge_options, **meta)
@@ -652,12 +689,15 @@ class RlscopeCallback(_CallbackBase):
 
         ids = list(range(self._next_rollout_id, self._next_rollout_id + n))
         lengths: list[int] = []
+        truncated: list[bool | None] = []
         if self.tokens is not None and self.tokens.error is None and split == "train":
-            lengths = self.tokens.claim(advantages, ids)
-            if not lengths:
+            batch = self.tokens.claim(advantages, ids)
+            if batch is None:
                 self._warn_once(
                     "claim", "a generation batch's tokens could not be matched with its rollouts"
                 )
+            else:
+                lengths, truncated = batch.lengths, batch.truncated
         rows: dict[str, list] = {
             "rollout_id": ids,
             "step": [step] * n,
@@ -666,6 +706,8 @@ class RlscopeCallback(_CallbackBase):
             "reward": _total_reward(per_func, self._reward_weights(list(per_func))),
             "response_len": lengths or self._lengths(buffers, completions),
         }
+        if lengths and len(truncated) == n and any(t is not None for t in truncated):
+            rows["truncated"] = truncated
         self._next_rollout_id += n
         if self.correct_reward is not None:
             if self.correct_reward not in per_func:

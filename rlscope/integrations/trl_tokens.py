@@ -12,6 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from rlscope.integrations.token_segments import NAMES, TokenSegmenter
+from rlscope.text import TagSet
+
 #: TRL versions whose GRPOTrainer internals the tap wraps: [low, high). Measured on 1.16.0
 #: (trl/trainer/grpo_trainer.py); outside it the callback warns and writes rollouts only.
 SUPPORTED_TRL = ((1, 16), (2, 0))
@@ -87,19 +90,24 @@ class RowTokens:
     rollout_logprob: np.ndarray | None = None
     logprob: np.ndarray | None = None
     entropy: np.ndarray | None = None
+    #: each kept position's segment: an index into token_segments.NAMES, len(NAMES) for null
+    #: (tokens not aligned with the text); None: not labelled at all (no tokenizer)
+    segment: np.ndarray | None = None
     step: int | None = None  # the optimizer step of its first pass through the loss
 
 
 @dataclass
 class GenerationBatch:
-    """A generation batch as TRL gathered it: every completion's length and advantage, the
-    sampled completions' tokens, and once the rollouts are logged their ids."""
+    """A generation batch as TRL gathered it: every completion's length, advantage and whether
+    it hit the length cap (None: unknown), the sampled completions' tokens, and once the
+    rollouts are logged their ids."""
 
     seq: int
     lengths: list[int]
     advantages: list[float]
     rows: dict[int, RowTokens] = field(default_factory=dict)
     rollout_ids: list[int] | None = None
+    truncated: list[bool | None] = field(default_factory=list)
 
     def ready(self) -> bool:
         return self.rollout_ids is not None and all(
@@ -124,7 +132,8 @@ def token_columns(
 ) -> dict[str, np.ndarray]:
     """Concatenate completions' tokens into columns: `rollout_id` (`rollout_ids[i]` of batch
     row i), `step` (each row's, -1 when it had no pass), `pos`, each per-token value present
-    in every row, and `advantage` (a completion's one value repeated over its tokens)."""
+    in every row, `advantage` (a completion's one value repeated over its tokens) and, when
+    some row was labelled, `segment` (null for the rows that were not)."""
     counts = [len(r.positions) for _, r in rows]
 
     def repeat(values: Sequence[int]) -> np.ndarray:
@@ -145,7 +154,21 @@ def token_columns(
         columns["advantage"] = np.concatenate(
             [np.broadcast_to(r.advantage, (n,)) for (_, r), n in zip(rows, counts, strict=True)]
         ).astype(np.float32)
+    if any(r.segment is not None for _, r in rows):
+        names = np.array([*NAMES, None], dtype=object)  # code len(NAMES): null
+        codes = [
+            np.full(n, len(NAMES)) if r.segment is None else r.segment
+            for (_, r), n in zip(rows, counts, strict=True)
+        ]
+        columns["segment"] = names[np.concatenate(codes).astype(np.int64)]
     return columns
+
+
+def to_ids(value: Any) -> np.ndarray:
+    """Token ids (a torch tensor on any device, or array-like) as int64 numpy."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value, dtype=np.int64)
 
 
 def to_numpy(value: Any) -> np.ndarray:
@@ -169,6 +192,15 @@ class TokenTap:
       of that optimizer step, `train_step`). Without `old_per_token_logps` TRL uses those
       log-probs, detached, as the old ones (on-policy): so does the tap.
 
+    Also at generation, on each process for its own completions: each sampled completion's
+    token `segment` (think / answer / tool_call / tool_response / text) from its
+    `completion_ids`, decoded with the trainer's tokenizer (`processing_class`, as TRL decodes
+    the completion text) and split with `tags` (rlscope.integrations.token_segments: tags
+    belong to the segment they open or close; null where the tokens cannot be aligned with
+    the text), and every completion's `truncated`: TRL's own rule for
+    `completions/clipped_ratio`, its last token neither an EOS (`eos_token_ids`) nor the pad
+    token (None when the trainer has no `eos_token_ids`).
+
     A token's `step` is that optimizer step: its rollout's step (the step that logged the batch)
     with one optimizer step per generation (TRL's default), later for the later micro-batches
     of a batch trained over steps_per_generation > 1 steps; so a step's token metrics cover
@@ -185,10 +217,24 @@ class TokenTap:
         share: float,
         emit: Callable[[GenerationBatch], None],
         gather: Callable[[list], list] | None = None,
+        tags: TagSet | None = None,
     ) -> None:
         self.trainer = trainer
         self.share = share
         self.emit = emit
+        #: labels tokens with their segment (None: the trainer has no tokenizer to decode with)
+        self.segmenter: TokenSegmenter | None = None
+        tokenizer = getattr(trainer, "processing_class", None)
+        try:
+            self.segmenter = TokenSegmenter(tokenizer, tags or TagSet())
+        except TypeError:
+            warnings.warn(
+                "RlscopeCallback: the trainer's processing_class cannot decode token ids: "
+                "tokens without a segment",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._warned_unaligned = False
         self.batches: list[GenerationBatch] = []
         self._gather = gather
         self._seq = 0
@@ -294,6 +340,11 @@ class TokenTap:
                 ("rollout_logprob", "sampling_per_token_logps"),
             )
         }
+        ids = to_ids(output["completion_ids"])
+        sizes = (to_numpy(output["completion_mask"]) > 0).sum(axis=1)  # unpadded lengths
+        truncated = self._truncated(ids, sizes)
+        kept = [i for i in range(n) if first + i in self._keep]
+        segments = self._segments(kept, [ids[i, : sizes[i]] for i in kept])
         local = []
         for i in range(n):
             positions = np.flatnonzero(mask[i] > 0).astype(np.int32)
@@ -302,11 +353,14 @@ class TokenTap:
                 "index": first + i,
                 "length": len(positions),
                 "advantage": float(np.mean(advantage)) if advantage.size else 0.0,
+                "truncated": truncated[i],
             }
             if first + i in self._keep:
+                codes = segments.get(i)
                 row["tokens"] = RowTokens(
                     positions=positions,
                     advantage=np.asarray(advantage, dtype=np.float32),
+                    segment=None if codes is None else codes[positions],
                     **{k: v[i, positions] for k, v in per_token.items() if v is not None},
                 )
             local.append(row)
@@ -319,11 +373,61 @@ class TokenTap:
             lengths=[r["length"] for r in gathered],
             advantages=[r["advantage"] for r in gathered],
             rows={r["index"]: r["tokens"] for r in gathered if "tokens" in r},
+            truncated=[r["truncated"] for r in gathered],
         )
         self.batches.append(batch)
         unclaimed = [b for b in self.batches if b.rollout_ids is None]
         if len(unclaimed) > MAX_PENDING:
             self.batches.remove(unclaimed[0])
+
+    def _truncated(self, ids: np.ndarray, sizes: np.ndarray) -> list[bool | None]:
+        """Per completion, TRL's `is_truncated` (grpo_trainer.py, `completions/clipped_ratio`):
+        its last token is neither an EOS nor the pad token. A completion whose mask is all 0
+        was masked by mask_truncated_completions, which masks truncated ones only."""
+        eos = getattr(self.trainer, "eos_token_ids", None)
+        tokenizer = getattr(self.trainer, "_tokenizer", None)
+        if not isinstance(eos, Sequence) or tokenizer is None:
+            return [None] * len(sizes)
+        ends = {int(t) for t in eos if t is not None}
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is not None:
+            ends.add(int(pad))
+        return [
+            bool(size == 0 or int(row[size - 1]) not in ends)
+            for row, size in zip(ids, sizes, strict=True)
+        ]
+
+    def _segments(self, rows: list[int], completions: list[np.ndarray]) -> dict[int, np.ndarray]:
+        """The token segments of these rows' completions (RowTokens.segment's codes; a
+        completion not aligned with its text all null, with a warning the first time; empty
+        without a segmenter). A failure of the segmenter warns once and stops labelling, the
+        tokens go on."""
+        if self.segmenter is None or not completions:
+            return {}
+        try:
+            labelled = self.segmenter([c.tolist() for c in completions])
+        except Exception as exc:  # decoding is the tokenizer's: never lose the tokens over it
+            self.segmenter = None
+            warnings.warn(
+                f"RlscopeCallback: cannot label the tokens' segments ({exc!r}); tokens "
+                "without a segment from now on",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return {}
+        if self.segmenter.failed and not self._warned_unaligned:
+            self._warned_unaligned = True
+            warnings.warn(
+                "RlscopeCallback: a completion's tokens could not be aligned with its decoded "
+                "text: its tokens' segment is null (TokenTap.segmenter.failed counts them)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        null = len(NAMES)
+        return {
+            row: np.full(len(ids), null, dtype=np.int8) if codes is None else codes
+            for row, ids, codes in zip(rows, completions, labelled, strict=True)
+        }
 
     def _record_pass(self, inputs: Mapping[str, Any], rows: list[int]) -> None:
         if self._captured is None:
@@ -354,9 +458,10 @@ class TokenTap:
 
     # the callback's side -----------------------------------------------------------------------
 
-    def claim(self, advantages: Sequence[float], rollout_ids: list[int]) -> list[int]:
+    def claim(self, advantages: Sequence[float], rollout_ids: list[int]) -> GenerationBatch | None:
         """Tie the latest unclaimed batch of these completions (same count, same advantages)
-        to their rollout ids; returns their lengths in tokens ([] when none matches)."""
+        to their rollout ids and return it (its `lengths` in tokens, `truncated`); None when
+        none matches."""
         n = len(rollout_ids)
         for batch in reversed(self.batches):
             if batch.rollout_ids is not None or len(batch.lengths) != n:
@@ -369,8 +474,8 @@ class TokenTap:
             # Older unclaimed batches were never logged (logging_steps > 1): nothing to tie.
             self.batches = [b for b in self.batches if b.seq >= batch.seq or b.rollout_ids]
             self.emit_ready()
-            return batch.lengths
-        return []
+            return batch
+        return None
 
     def emit_ready(self) -> None:
         """Hand every batch whose sampled completions all had their first pass to `emit`."""

@@ -2,6 +2,12 @@
 callback (`probe_every`): the interventions run with the trainer's own model as it trains.
 
 Usage: python trl_probe.py MODEL_DIR RUN_DIR STEPS PROBE_EVERY [PER_STEP]
+(PROBE_EVERY 0: no probing.) Environment:
+  TRAINER_MAX_COMPLETION_LENGTH  GRPOConfig's max_completion_length (default 32: no completion
+                reaches it; 16 cuts most `Add` chains, in their reasoning or their answer).
+  TRAINER_DUMP_IDS  a file to write every train completion's token ids to, one JSON list a line
+                in TRL's order (the order of its logged completions), EOS included: read from
+                what `_generate_and_score_completions` returns, apart from rlscope's callback.
 
 Prompts are the reasoner's two families (`Add a b c .`, whose answer its chain computes, and
 `Copy n .`, whose answer is in the prompt), 8 prompts x 4 completions a step, the reward 1 when
@@ -13,10 +19,12 @@ ProbeSummary.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -27,6 +35,25 @@ from rlscope.importers.text import extract_answer
 from rlscope.integrations.trl import RlscopeCallback
 
 SEED = 0
+MAX_COMPLETION_LENGTH = int(os.environ.get("TRAINER_MAX_COMPLETION_LENGTH", "32"))
+DUMP_IDS = os.environ.get("TRAINER_DUMP_IDS")
+
+
+def _dump_ids(trainer: GRPOTrainer, path: Path) -> None:
+    """Wrap this trainer's `_generate_and_score_completions` to append each train
+    completion's ids (its completion_mask's tokens) to `path`."""
+    generate = trainer._generate_and_score_completions
+
+    def dumped(inputs: Any) -> Any:
+        output = generate(inputs)
+        if trainer.model.training:
+            ids, mask = output["completion_ids"].tolist(), output["completion_mask"].tolist()
+            with path.open("a") as out:
+                for row, keep in zip(ids, mask, strict=True):
+                    out.write(json.dumps(row[: sum(keep)]) + "\n")
+        return output
+
+    trainer._generate_and_score_completions = dumped
 
 
 def _dataset(n: int) -> Dataset:
@@ -55,7 +82,7 @@ def main(model_dir: Path, run_dir: Path, steps: int, every: int, per_step: int) 
         output_dir=str(run_dir.parent / f"{run_dir.name}-trainer"),
         per_device_train_batch_size=32,
         num_generations=4,
-        max_completion_length=32,
+        max_completion_length=MAX_COMPLETION_LENGTH,
         max_steps=steps,
         logging_steps=1,
         learning_rate=1e-5,
@@ -81,6 +108,8 @@ def main(model_dir: Path, run_dir: Path, steps: int, every: int, per_step: int) 
         train_dataset=_dataset(steps * 8),
         callbacks=[callback],
     )
+    if DUMP_IDS:  # before the callback's own wrapping, which then calls this one
+        _dump_ids(trainer, Path(DUMP_IDS))
     callback.bind(trainer)
     began = time.monotonic()
     trainer.train()
