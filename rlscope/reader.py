@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import polars as pl
 import pyarrow as pa
@@ -26,6 +26,7 @@ from rlscope.errors import RlscopeError
 from rlscope.report import run_provenance
 from rlscope.schema import RUN_FIELDS, RUN_JSON, SCHEMA_VERSION, TABLES, Column, Table, type_name
 from rlscope.store import (
+    CONCURRENCY,
     RunPath,
     StoreObject,
     StorePath,
@@ -521,19 +522,29 @@ Footer = tuple[tuple[int, int, int], int, pa.Schema]
 
 
 def _store_footers(objects: dict[str, list[StoreObject]]) -> dict[str, list[Footer]]:
-    """Every object's footer and version, CONCURRENCY requests in flight at once; equal
-    schemas kept once (a run's thousands of files mostly share one)."""
+    """Every object's footer and version, CONCURRENCY requests in flight at once."""
     every = [o for listed in objects.values() for o in listed]
+    read = dict(zip((o.path for o in every), _footers(_store_footer, every), strict=True))
+    return {name: [read[o.path] for o in listed] for name, listed in objects.items()}
+
+
+T = TypeVar("T")
+
+
+def _footers(
+    read: Callable[[T], Footer], items: Sequence[T], threads: int = CONCURRENCY
+) -> list[Footer]:
+    """`read` of each item's footer, `threads` at a time, in order (the first error in order
+    raised); equal schemas kept once (a run's thousands of files mostly share one)."""
     schemas: dict[pa.Schema, pa.Schema] = {}
     lock = threading.Lock()
 
-    def footer(found: StoreObject) -> Footer:
-        stat, rows, schema = _store_footer(found)
+    def footer(item: T) -> Footer:
+        stat, rows, schema = read(item)
         with lock:
             return stat, rows, schemas.setdefault(schema, schema)
 
-    read = dict(zip((o.path for o in every), concurrently(footer, every), strict=True))
-    return {name: [read[o.path] for o in listed] for name, listed in objects.items()}
+    return concurrently(footer, items, threads)
 
 
 def _store_footer(found: StoreObject) -> Footer:
@@ -553,16 +564,21 @@ def _store_footer(found: StoreObject) -> Footer:
     return (found.size, found.mtime_ns, tag), footer.num_rows, footer.schema.to_arrow_schema()
 
 
-def _local_footers(files: list[Path]) -> Iterator[Footer]:
-    for path in files:
-        try:
-            stat = _stat(path)
-        except FileNotFoundError:
-            raise RlscopeError(
-                f"{path}: removed while the run was being opened", hint="re-run"
-            ) from None
-        footer = _footer(path, stat[0])
-        yield stat, footer.num_rows, footer.schema.to_arrow_schema()
+def _local_footers(files: list[Path]) -> list[Footer]:
+    """Every file's footer, a thread per core: pyarrow lets go of the GIL while it reads and
+    parses one (2,067 footers on 2 cores: 0.20-0.25 s against 0.37-0.40 s one by one)."""
+    return _footers(_local_footer, files, os.cpu_count() or 1)
+
+
+def _local_footer(path: Path) -> Footer:
+    try:
+        stat = _stat(path)
+    except FileNotFoundError:
+        raise RlscopeError(
+            f"{path}: removed while the run was being opened", hint="re-run"
+        ) from None
+    footer = _footer(path, stat[0])
+    return stat, footer.num_rows, footer.schema.to_arrow_schema()
 
 
 def _find_files(root: Path, name: str, warnings: list[str]) -> list[Path] | None:

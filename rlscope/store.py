@@ -312,13 +312,13 @@ def _fetch(found: StoreObject, dest: Path) -> None:
         raise store_error(found.path, exc) from None
 
 
-def concurrently(work: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """`work` on each item, CONCURRENCY at a time (requests to a store wait on the network),
-    the results in order; the first error raised is raised."""
+def concurrently(work: Callable[[T], R], items: Iterable[T], threads: int = CONCURRENCY) -> list[R]:
+    """`work` on each item, `threads` at a time (by default CONCURRENCY: requests to a store
+    wait on the network), the results in order; the first error in order is raised."""
     items = list(items)
-    if len(items) <= 1:
+    if len(items) <= 1 or threads <= 1:
         return [work(item) for item in items]
-    with ThreadPoolExecutor(min(CONCURRENCY, len(items))) as pool:
+    with ThreadPoolExecutor(min(threads, len(items))) as pool:
         return list(pool.map(work, items))
 
 

@@ -292,7 +292,9 @@ def _mismatch_se(ctx: RuleContext, kl: Series, tokens: float) -> float:
         return math.inf
     judged = frame.filter(pl.col("value").is_not_null()).sort("step")
     for column in ("extra_rollout_se", "extra_token_se"):
-        own = judged[column].to_numpy().astype(np.float64) if column in judged.columns else []
+        if column not in judged.columns:
+            continue
+        own = judged[column].to_numpy().astype(np.float64)
         if len(own) != len(kl) or np.isnan(own).any():
             continue
         se = math.sqrt(float(np.sum(own**2))) / len(own)
