@@ -130,7 +130,7 @@ bench: $(STAMP) $(TRL_STAMP)
 	$(BIN)/python benchmarks/bench_report.py
 	$(BIN)/python benchmarks/bench_live.py
 	$(BIN)/python benchmarks/bench_wandb.py
-	$(BIN)/python benchmarks/bench_store.py --tokens 5000000
+	$(BIN)/python benchmarks/bench_store.py --tokens 20000000
 	RLSCOPE_TRL_PYTHON=$(CURDIR)/$(TRL_VENV)/bin/python $(BIN)/python benchmarks/bench_probe.py
 
 # The scorecard: a corpus of genuine runs (real trainers on CPU, each fault by its mechanism,

@@ -96,12 +96,21 @@ pl.collect_all(queries, engine="streaming")
 # the per-(step, entropy bin) histogram, per-(step, segment) sums with distinct rollouts,
 # token rows per (step, rollout_id) (the orphan check), and the advantage tiers (tokens, Σ a²
 # and the largest |a| per (step, tier)). One query per result, as a DuckDB
-# user would write them; DuckDB reads the Parquet files once per query.
+# user would write them; DuckDB reads the Parquet files once per query. From a store (an s3://
+# URL), through a pyarrow dataset on pyarrow's S3 filesystem (DuckDB's own httpfs extension is
+# downloaded on first use, which this machine cannot).
 DUCKDB = """
-import sys, duckdb
+import os, sys, duckdb
 con = duckdb.connect()
 con.execute("SET threads TO {threads}")
-files = sys.argv[1] + "/tokens/*.parquet"
+if "://" in sys.argv[1]:
+    import pyarrow.dataset as ds, pyarrow.fs as fs
+    s3 = fs.S3FileSystem(endpoint_override=os.environ["AWS_ENDPOINT_URL"], region="us-east-1")
+    tokens = ds.dataset(sys.argv[1].removeprefix("s3://") + "/tokens", filesystem=s3,
+                        format="parquet")
+    source = "tokens"
+else:
+    source = "read_parquet('" + sys.argv[1] + "/tokens/*.parquet')"
 def ok(c):
     return f"CASE WHEN isfinite({{c}}) THEN {{c}}::DOUBLE END"
 lp, old, ref, adv, ent = (ok(c) for c in ("logprob", "old_logprob", "ref_logprob", "advantage",
@@ -116,17 +125,17 @@ queries = [
         sum(-{{lp}}), count({{lp}}), count({{lp}} + {{adv}}), sum({{lp}} + 0 * {{adv}}),
         sum({{adv}} + 0 * {{lp}}), sum({{lp}} * {{adv}}),
         sum((NOT isfinite(logprob))::INT), sum((NOT isfinite(entropy))::INT)
-      FROM read_parquet('{{files}}') GROUP BY step\"\"\",
+      FROM {{source}} GROUP BY step\"\"\",
     f\"\"\"SELECT step, least(floor(ln(1 + greatest({{ent}}, 0) / 0.05) * 100), 1000) AS bin,
-        count(*) FROM read_parquet('{{files}}') WHERE {{ent}} IS NOT NULL GROUP BY ALL\"\"\",
+        count(*) FROM {{source}} WHERE {{ent}} IS NOT NULL GROUP BY ALL\"\"\",
     f\"\"\"SELECT step, segment, count(*), count(DISTINCT rollout_id), sum({{ent}}),
-        count({{ent}}) FROM read_parquet('{{files}}') WHERE segment IS NOT NULL
+        count({{ent}}) FROM {{source}} WHERE segment IS NOT NULL
         GROUP BY ALL\"\"\",
-    f\"\"\"SELECT step, rollout_id, count(*) FROM read_parquet('{{files}}') GROUP BY ALL\"\"\",
+    f\"\"\"SELECT step, rollout_id, count(*) FROM {{source}} GROUP BY ALL\"\"\",
     f\"\"\"SELECT step, ({{adv}} <> 0)::INT + (abs({{adv}}) > 1e-12)::INT
         + (abs({{adv}}) > 1e-9)::INT + (abs({{adv}}) > 1e-6)::INT + (abs({{adv}}) > 1e-3)::INT,
         count(*), sum({{adv}} * {{adv}}), max(abs({{adv}}))
-        FROM read_parquet('{{files}}') WHERE {{adv}} IS NOT NULL GROUP BY ALL\"\"\",
+        FROM {{source}} WHERE {{adv}} IS NOT NULL GROUP BY ALL\"\"\",
 ]
 for q in queries:
     con.execute(q).fetchall()

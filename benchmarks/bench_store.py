@@ -1,5 +1,6 @@
 """A run on disk against the same run in a local S3 API (moto's server on 127.0.0.1): rlscope
-analyze, and per-step token sums in Polars and DuckDB; writes benchmarks/RESULTS-store.md."""
+analyze, and the same token aggregates in Polars and DuckDB, on a file layout of
+benchmarks/layouts.py; writes benchmarks/RESULTS-store.md."""
 
 from __future__ import annotations
 
@@ -13,36 +14,40 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench_analyze import CACHE, RLSCOPE, _version, ensure_run, measure, token_rows  # noqa: E402
+from bench_analyze import (  # noqa: E402
+    CACHE,
+    DUCKDB,
+    POLARS_SAME,
+    RLSCOPE,
+    _version,
+    ensure_run,
+    measure,
+    summary,
+    token_rows,
+)
+from layouts import LAYOUTS, ensure_layout  # noqa: E402
 from s3server import s3_server  # noqa: E402
 
-# Per-step token sums (rows, and the sums of logprob, entropy and advantage) in Polars'
-# streaming engine, from a folder or a URL (Polars reads the store itself, AWS_* from the
-# environment).
-POLARS = """
-import sys, polars as pl
-lf = pl.scan_parquet(sys.argv[1] + "/tokens/*.parquet")
-lf.group_by("step").agg(pl.len(), pl.col("logprob").sum(), pl.col("entropy").sum(),
-                        pl.col("advantage").sum()).collect(engine="streaming")
-"""
-
-# The same in DuckDB: read_parquet on disk; from the store, through a pyarrow dataset on
-# pyarrow's S3 filesystem (DuckDB's own httpfs extension is downloaded on first use, which
-# this machine cannot).
-DUCKDB = """
-import sys, duckdb
-con = duckdb.connect()
-query = '''SELECT step, count(*), sum(logprob), sum(entropy), sum(advantage) FROM {}
-           GROUP BY step'''
-if "://" in sys.argv[1]:
-    import os, pyarrow.dataset as ds, pyarrow.fs as fs
-    s3 = fs.S3FileSystem(endpoint_override=os.environ["AWS_ENDPOINT_URL"], region="us-east-1")
-    tokens = ds.dataset(sys.argv[1].removeprefix("s3://") + "/tokens", filesystem=s3,
-                        format="parquet")
-    con.execute(query.format("tokens")).fetchall()
-else:
-    con.execute(query.format(f"read_parquet('{sys.argv[1]}/tokens/*.parquet')")).fetchall()
-"""
+#: The commands timed on disk and from the store ("{}": where the run is).
+TOOLS = {
+    "rlscope analyze --no-cache (every metric)": [
+        *RLSCOPE,
+        "analyze",
+        "{}",
+        "--no-cache",
+        "--format",
+        "json",
+        "--fail-on",
+        "never",
+    ],
+    "Polars: the same token aggregates": [sys.executable, "-c", POLARS_SAME, "{}"],
+    "DuckDB: the same token aggregates": [
+        sys.executable,
+        "-c",
+        DUCKDB.format(threads=os.cpu_count()),
+        "{}",
+    ],
+}
 
 
 def main() -> None:
@@ -50,57 +55,65 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=10_000_000)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "RESULTS-store.md")
     parser.add_argument("--cache", type=Path, default=CACHE, help="where the run is kept")
+    parser.add_argument(
+        "--layout",
+        nargs="+",
+        choices=[layout.name for layout in LAYOUTS],
+        default=["synth-files", "10k-files"],
+        help="the token files' layouts (benchmarks/layouts.py)",
+    )
+    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    run = ensure_run(args.tokens, args.cache)
-    n, files = token_rows(run)
-    rows = []
-    with s3_server() as server:
-        url = server.upload(run, "bench", run.name)
-        env = {**os.environ, **server.env}
-        tools = {
-            "rlscope analyze --no-cache (every metric)": [
-                *RLSCOPE,
-                "analyze",
-                "{}",
-                "--no-cache",
-                "--format",
-                "json",
-                "--fail-on",
-                "never",
-            ],
-            "Polars: per-step token sums": [sys.executable, "-c", POLARS, "{}"],
-            "DuckDB: per-step token sums": [sys.executable, "-c", DUCKDB, "{}"],
-        }
-        for tool, command in tools.items():
-            times = {}
-            for where, location in (("disk", str(run)), ("S3", url)):
-                cmd = [location if part == "{}" else part for part in command]
-                times[where] = measure(cmd, env=env)
-                print(tool, where, times[where], file=sys.stderr)
-            rows.append((tool, times["disk"], times["S3"]))
     lines = [
         "# A run on disk against the same run in a local S3 server",
         "",
-        f"Machine: {platform.platform()}, {os.cpu_count()} cores (shared with other work while "
-        f"measured), Python {platform.python_version()}, polars {_version('polars')}, pyarrow "
-        f"{_version('pyarrow')}, DuckDB {_version('duckdb')}, moto {_version('moto')}. One run "
-        f"of each command, a fresh process each (`benchmarks/bench_store.py`): a healthy "
-        f"synthetic run of {n:,} token rows in {files} token files, read from its folder (in "
-        "the page cache) and from moto's S3 server on 127.0.0.1 (a single Python process on "
-        "the same two cores: what a store costs over a local read here is moto's, not a "
-        "network's; against AWS or MinIO the ratios differ). DuckDB reads the store through "
-        "a pyarrow dataset (its httpfs extension cannot be downloaded on this machine).",
-        "",
-        "| command | disk (s) | S3 (s) | S3 / disk | disk peak RSS (GiB) | S3 peak RSS (GiB) |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"Machine: {platform.platform()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, polars {_version('polars')}, pyarrow "
+        f"{_version('pyarrow')}, DuckDB {_version('duckdb')}, moto {_version('moto')}. Median "
+        f"of {args.repeat} runs of each command, round robin, a fresh process each "
+        "(`benchmarks/bench_store.py`): a healthy synthetic run in a layout of "
+        "`benchmarks/layouts.py`, read from its folder (in the page cache) and from moto's S3 "
+        "server on 127.0.0.1 (a single Python process on the same two cores: what a store "
+        "costs over a local read here is moto's, not a network's; against AWS or MinIO the "
+        "ratios differ). Polars and DuckDB compute the token aggregates analyze computes "
+        "(`POLARS_SAME`, `DUCKDB` in `benchmarks/bench_analyze.py`); DuckDB reads the store "
+        "through a pyarrow dataset (its httpfs extension cannot be downloaded on this machine).",
     ]
-    for tool, disk, s3 in rows:
-        lines.append(
-            f"| {tool} | {disk.seconds:.1f} | {s3.seconds:.1f} | {s3.seconds / disk.seconds:.2f} "
-            f"| {disk.rss_gib:.2f} | {s3.rss_gib:.2f} |"
-        )
+    for name in args.layout:
+        layout = next(layout for layout in LAYOUTS if layout.name == name)
+        run = ensure_layout(ensure_run(args.tokens, args.cache), layout)
+        n, files = token_rows(run)
+        rows = _measured(run, args.repeat)
+        lines += [
+            "",
+            f"## {layout.what}: {n:,} token rows in {files:,} files",
+            "",
+            "| command | disk (s) | S3 (s) | S3 / disk | disk peak RSS (GiB) | S3 peak RSS (GiB) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for tool, (disk, disk_rss, _), (s3, s3_rss, _) in rows:
+            lines.append(
+                f"| {tool} | {disk:.1f} | {s3:.1f} | {s3 / disk:.2f} | {disk_rss:.2f} "
+                f"| {s3_rss:.2f} |"
+            )
     args.out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    print("\n".join(lines))
+
+
+def _measured(run: Path, repeat: int) -> list[tuple[str, tuple, tuple]]:
+    """Each of TOOLS on `run`'s folder and on its copy in a fresh local S3 server, round robin
+    (a slow spell of the machine hits every command alike): (tool, disk, S3) summaries."""
+    runs: dict[tuple[str, str], list] = {}
+    with s3_server() as server:
+        url = server.upload(run, "bench", run.name)
+        env = {**os.environ, **server.env}
+        for _ in range(repeat):
+            for tool, command in TOOLS.items():
+                for where, location in (("disk", str(run)), ("S3", url)):
+                    cmd = [location if part == "{}" else part for part in command]
+                    runs.setdefault((tool, where), []).append(measure(cmd, env=env))
+                    print(tool, where, runs[tool, where][-1], file=sys.stderr)
+    return [(tool, summary(runs[tool, "disk"]), summary(runs[tool, "S3"])) for tool in TOOLS]
 
 
 if __name__ == "__main__":

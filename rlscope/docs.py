@@ -477,9 +477,10 @@ def _benchmark_page(title: str, intro: str, sources: Iterable[str]) -> str:
 def results_page() -> str:
     return _benchmark_page(
         "Benchmark results",
-        "The files `make bench` writes (`benchmarks/RESULTS.md`, `benchmarks/RESULTS-text.md`), "
-        "as committed; what they measure and why: [Performance](index.md).",
-        ("benchmarks/RESULTS.md", "benchmarks/RESULTS-text.md"),
+        "The files `make bench` writes (`benchmarks/RESULTS.md`, `benchmarks/RESULTS-text.md`, "
+        "`benchmarks/RESULTS-store.md`), as committed; what they measure and why: "
+        "[Performance](index.md).",
+        ("benchmarks/RESULTS.md", "benchmarks/RESULTS-text.md", "benchmarks/RESULTS-store.md"),
     )
 
 

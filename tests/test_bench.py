@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("duckdb")
 
 
-@pytest.mark.slow  # 12 s; the report benchmark's test stays in the fast suite
 def _bench_analyze(out: Path, tmp_path: Path, *args: str) -> None:
     """benchmarks/bench_analyze.py on tiny runs (kept in tmp_path), one run each, into `out`."""
     subprocess.run(
@@ -54,7 +53,9 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
     section = text.split("## File layouts")[1].split("\n## ")[0]
     laid = [line for line in section.splitlines() if line.startswith("| ")]
     assert len(laid) == 1 + 4  # the header, then a row per layout
-    assert all(len(line.strip("|").split("|")) == 13 for line in laid)  # with the step sums
+    # with Polars and DuckDB computing the same aggregates, and the ratio to the faster one
+    assert all(len(line.strip("|").split("|")) == 15 for line in laid)
+    assert all(float(line.strip("|").split("|")[-3]) > 0 for line in laid[1:])
     assert int(cells[1]) >= 2  # token files
     # The incremental table: after appending one file, exactly one file was read.
     incremental = text.split("## Incremental re-analysis")[1].split("\n## ")[0]
@@ -65,6 +66,33 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
     after = out.read_text().split("## File layouts")
     assert after[0] == before[0] and after[1].split("\n## ", 1)[1] == before[1].split("\n## ", 1)[1]
     assert len([line for line in after[1].splitlines() if line.startswith("| ")]) == 1 + 4
+
+
+@pytest.mark.slow  # ~40 s: a local S3 server, two layouts, six commands each
+def test_the_store_benchmark_times_every_engine_on_disk_and_in_the_store(tmp_path: Path) -> None:
+    pytest.importorskip("moto")
+    out = tmp_path / "RESULTS-store.md"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_store.py"),
+            "--tokens",
+            "1000000",
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+            "--cache",
+            str(tmp_path / "runs"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    text = out.read_text()
+    assert text.count("\n## ") == 2  # a table per layout: synth's files, 10k-row files
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "(s)" not in line]
+    assert len(rows) == 2 * 3 and all("S3" not in r.split("|")[1] for r in rows)
+    assert all(float(r.strip("|").split("|")[3]) > 0 for r in rows)  # S3 / disk
 
 
 def test_the_report_benchmark_replaces_its_own_section_only(tmp_path: Path) -> None:
