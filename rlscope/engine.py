@@ -27,6 +27,7 @@ from rlscope.sources import (
     collect,
     file_indexes,
     plan_tokens,
+    resolve_pass_k,
 )
 from rlscope.spec import Metric, Variant, split_column
 from rlscope.steplocal import TableRead, TableStore
@@ -130,7 +131,8 @@ def compute(
     can feed (e.g. tool-response length from the text tags when the tokens table has no
     tool_response tokens because they are loss-masked), computed in one more pass over only
     those metrics; `first_variant` (id -> variant index) is how that pass is asked."""
-    context = MetricContext(run, text=text or TextSettings())
+    # k from run.json until the rollouts' group sizes say more (rlscope.sources.rollouts_source)
+    context = MetricContext(run, resolve_pass_k(run, None), text=text or TextSettings())
     catalog = catalog or default_catalog()
     available = catalog.for_run(run)
     metrics = (

@@ -57,8 +57,9 @@ def evaluate(
         if config.findings.get(rule.id, {}).get("enabled", True) is False:
             continue
         reads = _reads(rule, computed)
-        if not reads:
-            reason = "needs " + " or ".join(rule.metrics)
+        lacking = _lacking(rule, computed)
+        if not reads or lacking:
+            reason = "needs " + (" and ".join(lacking) if lacking else " or ".join(rule.metrics))
             skipped.append(Skipped(rule.id, reason, rule.layer, "finding"))
             continue
         try:
@@ -117,6 +118,11 @@ def evaluate_prefix(
 def _reads(rule: Rule, computed: Computed) -> list[str]:
     """The computed metrics a rule judges (its metric globs)."""
     return [m for m in computed.results if any(fnmatchcase(m, pattern) for pattern in rule.metrics)]
+
+
+def _lacking(rule: Rule, computed: Computed) -> list[str]:
+    """The metrics (globs) a rule requires that the run did not compute."""
+    return [p for p in rule.requires if not any(fnmatchcase(m, p) for m in computed.results)]
 
 
 def _too_short(
@@ -264,8 +270,10 @@ def missing_inputs(
         rule = catalog.rules.get(skip.metric)
         if skip.kind != "finding" or skip.failed or skip.needs_steps is not None or rule is None:
             continue
+        # what it lacks of what it requires, else any of what it reads
+        patterns = _lacking(rule, computed) or rule.metrics
         metrics = [
-            m for m in catalog.metrics.values() if any(fnmatchcase(m.id, p) for p in rule.metrics)
+            m for m in catalog.metrics.values() if any(fnmatchcase(m.id, p) for p in patterns)
         ]
         needs = [need for m in metrics for need in _variant_needs(m, run)]
         if needs and all(needs):

@@ -256,6 +256,10 @@ class Rule:
     # Findings this one explains when both fire and this one's onset comes first (the report
     # files the consequence under its cause): consequence id -> how.
     explains: Mapping[str, Explained] = field(default_factory=dict)
+    # Of `metrics` (any of which makes the rule read the run), those it cannot judge without,
+    # every one: without one the finding is skipped as not judged, saying what it needs, not
+    # passed as healthy.
+    requires: tuple[str, ...] = ()
 
     @property
     def computes(self) -> tuple[str, ...]:
@@ -267,6 +271,8 @@ class Rule:
         lines = [f"{self.id}  ({self.layer}, finding, default severity {self.severity})", ""]
         lines += [self.title, "", self.doc, "", f"What to try: {self.remedy}", ""]
         lines.append(f"Reads: {', '.join(self.metrics)}")
+        if self.requires:
+            lines.append(f"Judged only with every one of: {', '.join(self.requires)}")
         if self.examples_from:
             lines.append(f"Example rollouts from: {', '.join(self.examples_from)}")
         if self.context:
@@ -293,6 +299,7 @@ class Rule:
             "doc": self.doc,
             "remedy": self.remedy,
             "reads": list(self.metrics),
+            "requires": list(self.requires),
             "examples_from": list(self.examples_from),
             "context": list(self.context),
             "explains": {
@@ -434,8 +441,12 @@ class Declarations:
         marks: Marks = "window",
         context: tuple[str, ...] = (),
         explains: Mapping[str, Explained] | None = None,
+        requires: tuple[str, ...] = (),
     ) -> Callable[[RuleFn], RuleFn]:
         """Declare the decorated function as the check of the rule `id`."""
+
+        if not set(requires) <= set(metrics):
+            raise ValueError(f"{id}: requires {requires} must be among its metrics {metrics}")
 
         def wrap(fn: RuleFn) -> RuleFn:
             rule = Rule(
@@ -453,6 +464,7 @@ class Declarations:
                 marks,
                 context,
                 dict(explains or {}),
+                requires,
             )
             self.rules.append(rule)
             return fn

@@ -248,3 +248,35 @@ def test_missing_input_lines() -> None:
         == "log a rollouts table and set run.json max_tool_calls to judge 1 more finding: c"
     )
     assert MissingInput((), ("d",), "needs x.*").line() == "needs x.*: d"
+
+
+def test_a_finding_that_needs_what_the_run_lacks_is_not_judged_but_says_so(write_run) -> None:
+    """A rule judged only with every one of its `requires` (spurious-length-growth needs the
+    within-prompt correlation of length and correctness, from rollouts) is skipped as not
+    judged on a steps-only run, never passed as healthy in silence, and the missing input
+    says what would let it be judged."""
+    steps_run = write_run({"steps": _steps(correct_rate=0.5, correct_rate_std=0.5)})
+    report = analyze(steps_run)
+    skipped = {s.metric: s.reason for s in report.skipped}
+    assert skipped["spurious-length-growth"] == "needs behavior.len_correct_corr"
+    assert skipped["mode-collapse"] == "needs signal.pass_at_k"
+    assert "signal.reward" in report.metrics  # reward-hacking reads what it requires: judged
+    assert "reward-hacking" not in skipped
+    doc = json.loads(runner.invoke(app, ["analyze", str(steps_run), "--format", "json"]).stdout)
+    rollouts = next(g for g in doc["inputs_missing"] if g["needs"] == ["a rollouts table"])
+    assert {"spurious-length-growth", "overthinking", "mode-collapse"} <= set(rollouts["findings"])
+
+
+def test_a_logged_accuracy_counts_its_prompts_not_its_responses(write_run) -> None:
+    """TRL's logged accuracy p and its std over 64 responses (8 prompts x 8): with run.json's
+    group size, pass@1's sampling units are the 8 prompts, each a 0/1 draw (Σ a² = p·8, the
+    largest spread prompts' groups can have); without it, the 64 responses."""
+    rows = [
+        {"step": s, "correct_rate": p, "correct_rate_std": math.sqrt(p * (1 - p) * 64 / 63)}
+        for s, p in enumerate([0.5, 0.625, 0.75], start=1)
+    ]
+    for meta, units in (({"group_size": 8}, 8.0), ({}, 64.0)):
+        computed = compute(open_run(write_run({"steps": rows}, **meta)), ["signal.pass_at_1"])
+        frame = computed.frames["signal.pass_at_1"]
+        assert frame["groups"].to_list() == [units] * 3, meta
+        assert frame["acc_sq"].to_list() == pytest.approx([p * units for p in (0.5, 0.625, 0.75)])

@@ -435,10 +435,16 @@ def _logged_pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     """The logged accuracy p with its sampling units, as _pass_1 gives them from rollouts: the
     responses counted, n = r / (r − 1) for r = std² / (p(1 − p)) (torch's unbiased std of 0/1
     values), carried forward to steps where p is 0 or 1 (no spread to count from; TRL's batch
-    does not change size), and Σ (0/1)² = p·n."""
+    does not change size), and Σ (0/1)² = p·n. With the group size G known (run.json), the
+    units are the step's prompts, n / G, each a 0/1 draw: a prompt's G responses are not
+    independent, and without the groups (the rollouts') their spread is bounded by the most a
+    prompt's mean can vary, all right or all wrong; the rollouts' own groups can only be
+    surer, so a steps-only log is never judged surer than its rollouts would be."""
     p, std = pl.col("logged_correct_rate"), pl.col("logged_correct_rate_std")
     ratio = std**2 / (p * (1 - p))
-    counted = pl.when((p > 0) & (p < 1) & (ratio > 1)).then((ratio / (ratio - 1)).round(0))
+    counted: pl.Expr = pl.when((p > 0) & (p < 1) & (ratio > 1)).then((ratio / (ratio - 1)).round(0))
+    if ctx.pass_k:  # prompts, at least one
+        counted = (counted / ctx.pass_k).round(0).clip(lower_bound=1)
     return (
         frame.sort("step")
         .with_columns(counted.forward_fill().alias("groups"))
@@ -470,7 +476,11 @@ DECLARED.metric(
         "the same, as in pass@k). Without rollouts, the steps' `correct_rate` as the trainer "
         "logged it (TRL's rewards/<accuracy>/mean of a 0/1 accuracy reward, read by the "
         "TensorBoard, W&B and MLflow importers): the share of the step's completions that are "
-        "correct, equal to the mean group accuracy when groups are of one size.",
+        "correct, equal to the mean group accuracy when groups are of one size; its sampling "
+        "units are then the step's prompts (its responses, counted from the logged std, over "
+        "run.json's group size), each as uncertain as a 0/1 draw: without the groups, a "
+        "prompt's responses are taken to agree as much as they can, so a steps-only log is "
+        "never judged surer than its rollouts would be.",
         healthy="rising",
         better="up",
         task="pass@1",

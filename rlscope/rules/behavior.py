@@ -121,6 +121,7 @@ def entropy_collapse(ctx: RuleContext) -> Iterator[Finding]:
     remedy="use token-level or constant length normalisation (Dr. GRPO, DAPO's token-level "
     "loss); add an overlong penalty; inspect long responses for repetition.",
     metrics=("behavior.response_len", "behavior.len_correct_corr", "signal.pass_at_1"),
+    requires=("behavior.response_len", "behavior.len_correct_corr", "signal.pass_at_1"),
     params={
         "growth_min": Param(0.2, "relative growth of the mean length"),
         "corr_max": Param(0.05, "|within-prompt correlation| below this counts as none"),
@@ -178,6 +179,7 @@ def spurious_length_growth(ctx: RuleContext) -> Iterator[Finding]:
     remedy="add a length penalty or overlong shaping; check for repetition loops and for "
     "answers buried in or after long reasoning; lower max_response_len.",
     metrics=("behavior.len_correct_corr", "behavior.response_len"),
+    requires=("behavior.len_correct_corr", "behavior.response_len"),
     params={
         "corr_max": Param(-0.1, "pooled within-prompt correlation at or below this"),
         "z": Param(3.0, "and at least this many standard errors below 0"),

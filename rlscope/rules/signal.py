@@ -281,6 +281,7 @@ def reward_concentration(ctx: RuleContext) -> Iterator[Finding]:
     remedy="keep exploration alive: higher temperature, entropy bonus or clip-higher, larger "
     "groups; check pass@k at large k against the base model; diversify prompts.",
     metrics=("signal.pass_at_1", "signal.pass_at_k"),
+    requires=("signal.pass_at_1", "signal.pass_at_k"),
     params={
         "min_rise": Param(0.03, "pass@1 rise (absolute) that counts"),
         "z": Param(3.0, "z-score of the pass@1 rise"),
@@ -339,6 +340,7 @@ REWARD_TERMS = "signal.reward.*"
     "that drives the rise or make it conditional on correctness; check the verifier for "
     "exploits; track pass@k against the base model.",
     metrics=("signal.reward", "signal.pass_at_1", "signal.pass_at_k", REWARD_TERMS),
+    requires=("signal.reward", "signal.pass_at_1"),
     params={
         "z": Param(2.0, "z-score of the reward rise"),
         "flat_tol": Param(0.02, "pass@1 rising by less than this (upper 95% bound) is flat"),

@@ -589,6 +589,7 @@ CONFLICT_PARAMS = {
     remedy="lower the learning rate or the number of PPO epochs / mini-batches per batch; "
     "protect high-entropy tokens (Clip-Cov / KL-Cov, clip-higher); add an entropy bonus.",
     metrics=("behavior.entropy", "stability.clip_frac"),
+    requires=("behavior.entropy", "stability.clip_frac"),
     params=CONFLICT_PARAMS,
     severity="critical",
 )
