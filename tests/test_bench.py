@@ -14,12 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("duckdb")
 
 
-def _bench_analyze(out: Path, tmp_path: Path, *args: str) -> None:
-    """benchmarks/bench_analyze.py on tiny runs (kept in tmp_path), one run each, into `out`."""
+def _bench(script: str, out: Path, tmp_path: Path, *args: str) -> None:
+    """A script of benchmarks/ on tiny runs (kept in tmp_path), one run each, into `out`."""
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_analyze.py"),
+            str(ROOT / "benchmarks" / script),
             *args,
             "--repeat",
             "1",
@@ -27,12 +27,14 @@ def _bench_analyze(out: Path, tmp_path: Path, *args: str) -> None:
             str(out),
             "--cache",
             str(tmp_path / "runs"),
-            "--layout-tokens",
-            "1000000",
         ],
         check=True,
         capture_output=True,
     )
+
+
+def _bench_analyze(out: Path, tmp_path: Path, *args: str) -> None:
+    _bench("bench_analyze.py", out, tmp_path, *args, "--layout-tokens", "1000000")
 
 
 def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None:
@@ -72,22 +74,7 @@ def test_bench_script_writes_results_with_every_baseline(tmp_path: Path) -> None
 def test_the_store_benchmark_times_every_engine_on_disk_and_in_the_store(tmp_path: Path) -> None:
     pytest.importorskip("moto")
     out = tmp_path / "RESULTS-store.md"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_store.py"),
-            "--tokens",
-            "1000000",
-            "--repeat",
-            "1",
-            "--out",
-            str(out),
-            "--cache",
-            str(tmp_path / "runs"),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    _bench("bench_store.py", out, tmp_path, "--tokens", "1000000")
     text = out.read_text()
     assert text.count("\n## ") == 2  # a table per layout: synth's files, 10k-row files
     rows = [line for line in text.splitlines() if line.startswith("| ") and "(s)" not in line]
