@@ -19,6 +19,10 @@ POOL_ROWS = 200_000
 #: Larger costs more than it saves: each column's buffer is fresh memory to fault in (8 MiB:
 #: the scan 4% slower at 100M tokens).
 READ_BUFFER_BYTES = 2**20
+#: From a store, a file (or piece) of at most this many Parquet bytes in the columns read is
+#: fetched whole, its ranges coalesced into few requests; a larger one streams through the
+#: buffers above (three workers: at most ~100 MB in flight).
+PREFETCH_BYTES = 32 * 2**20
 #: A row group of at most this many decoded bytes (of the columns read) may be decoded whole, by
 #: Polars, where it decodes faster than pyarrow (no byte-stream-split column): three workers
 #: then hold up to three such row groups.

@@ -46,9 +46,15 @@ def _batches(file: TokenFile) -> Iterator[pl.DataFrame]:
     parquet = pq.ParquetFile(
         source, buffer_size=limits.READ_BUFFER_BYTES, pre_buffer=False, filesystem=filesystem
     )
+    meta = parquet.metadata
+    groups = list(range(meta.num_row_groups) if file.row_groups is None else file.row_groups)
+    if filesystem is not None and _compressed_bytes(meta, present, groups) <= limits.PREFETCH_BYTES:
+        # From a store, a read is a request: the columns' byte ranges fetched at once,
+        # coalesced, rather than a buffer's worth at a time (a 1.2M-row file from a local S3
+        # server: 2.2 s against 3.2 s for the run).
+        parquet.close()
+        parquet = pq.ParquetFile(source, metadata=meta, pre_buffer=True, filesystem=filesystem)
     with parquet:
-        meta = parquet.metadata
-        groups = list(range(meta.num_row_groups) if file.row_groups is None else file.row_groups)
         sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         rows = sum(sizes[g] for g in groups)
         if rows == 0:
@@ -114,6 +120,12 @@ def _even_slices(frame: pl.DataFrame, cap: int) -> Iterator[pl.DataFrame]:
     size = _even(frame.height, cap) or 1
     for offset in range(0, frame.height, size):
         yield frame.slice(offset, size)
+
+
+def _compressed_bytes(meta: pq.FileMetaData, columns: list[str], groups: list[int]) -> int:
+    """The Parquet bytes of `columns` in the row groups `groups` (what reading them fetches)."""
+    indexes = [i for c in columns if (i := _column_chunk(meta, c)) is not None]
+    return sum(meta.row_group(g).column(i).total_compressed_size for g in groups for i in indexes)
 
 
 def _polars_decodes(
