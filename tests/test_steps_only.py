@@ -267,16 +267,19 @@ def test_a_finding_that_needs_what_the_run_lacks_is_not_judged_but_says_so(write
     assert {"spurious-length-growth", "overthinking", "mode-collapse"} <= set(rollouts["findings"])
 
 
-def test_a_logged_accuracy_counts_its_prompts_not_its_responses(write_run) -> None:
-    """TRL's logged accuracy p and its std over 64 responses (8 prompts x 8): with run.json's
-    group size, pass@1's sampling units are the 8 prompts, each a 0/1 draw (Σ a² = p·8, the
-    largest spread prompts' groups can have); without it, the 64 responses."""
+def test_a_logged_accuracy_is_judged_for_a_fall_on_its_prompts(write_run) -> None:
+    """TRL's logged accuracy p and its std over 64 responses (8 prompts x 8): its units are the
+    64 responses (Σ a² = p·64), and with run.json's group size also the 8 prompts that a fall
+    is judged on, each a 0/1 draw (the largest spread prompts' groups can have); without the
+    group size, no prompts."""
     rows = [
         {"step": s, "correct_rate": p, "correct_rate_std": math.sqrt(p * (1 - p) * 64 / 63)}
         for s, p in enumerate([0.5, 0.625, 0.75], start=1)
     ]
-    for meta, units in (({"group_size": 8}, 8.0), ({}, 64.0)):
+    for meta, prompts in (({"group_size": 8}, [8.0] * 3), ({}, None)):
         computed = compute(open_run(write_run({"steps": rows}, **meta)), ["signal.pass_at_1"])
         frame = computed.frames["signal.pass_at_1"]
-        assert frame["groups"].to_list() == [units] * 3, meta
-        assert frame["acc_sq"].to_list() == pytest.approx([p * units for p in (0.5, 0.625, 0.75)])
+        assert frame["groups"].to_list() == [64.0] * 3, meta
+        assert frame["acc_sq"].to_list() == pytest.approx([p * 64 for p in (0.5, 0.625, 0.75)])
+        found = frame["extra_prompts"].to_list() if "extra_prompts" in frame.columns else None
+        assert found == prompts, meta

@@ -421,6 +421,9 @@ def _pass_k(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
 
 #: pass@1's per-step Σ (group accuracy)²: with `groups`, the sampling error of a window.
 ACC_SQ = "acc_sq"
+#: A logged accuracy's prompts (its responses over run.json's group size): the units a fall is
+#: judged on when the prompt groups themselves are not known (rules.stability).
+PROMPTS = "extra_prompts"
 
 
 def _pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
@@ -435,16 +438,14 @@ def _logged_pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     """The logged accuracy p with its sampling units, as _pass_1 gives them from rollouts: the
     responses counted, n = r / (r − 1) for r = std² / (p(1 − p)) (torch's unbiased std of 0/1
     values), carried forward to steps where p is 0 or 1 (no spread to count from; TRL's batch
-    does not change size), and Σ (0/1)² = p·n. With the group size G known (run.json), the
-    units are the step's prompts, n / G, each a 0/1 draw: a prompt's G responses are not
-    independent, and without the groups (the rollouts') their spread is bounded by the most a
-    prompt's mean can vary, all right or all wrong; the rollouts' own groups can only be
-    surer, so a steps-only log is never judged surer than its rollouts would be."""
+    does not change size), and Σ (0/1)² = p·n. With the group size G known (run.json), also
+    the step's prompts, n / G (PROMPTS): a prompt's G responses are not independent, and
+    without the groups a fall is judged on the prompts as 0/1 draws, the most a prompt's mean
+    can vary (rules.stability `_sequential_fall`)."""
     p, std = pl.col("logged_correct_rate"), pl.col("logged_correct_rate_std")
     ratio = std**2 / (p * (1 - p))
-    counted: pl.Expr = pl.when((p > 0) & (p < 1) & (ratio > 1)).then((ratio / (ratio - 1)).round(0))
-    if ctx.pass_k:  # prompts, at least one
-        counted = (counted / ctx.pass_k).round(0).clip(lower_bound=1)
+    counted = pl.when((p > 0) & (p < 1) & (ratio > 1)).then((ratio / (ratio - 1)).round(0))
+    prompts = (pl.col("groups") / (ctx.pass_k or 1)).round(0).clip(lower_bound=1).alias(PROMPTS)
     return (
         frame.sort("step")
         .with_columns(counted.forward_fill().alias("groups"))
@@ -453,6 +454,7 @@ def _logged_pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
             pl.when(p.is_between(0.0, 1.0)).then(p).alias("value"),
             "groups",
             (p * pl.col("groups")).alias(ACC_SQ),
+            *([prompts] if ctx.pass_k else []),
         )
     )
 
@@ -476,11 +478,12 @@ DECLARED.metric(
         "the same, as in pass@k). Without rollouts, the steps' `correct_rate` as the trainer "
         "logged it (TRL's rewards/<accuracy>/mean of a 0/1 accuracy reward, read by the "
         "TensorBoard, W&B and MLflow importers): the share of the step's completions that are "
-        "correct, equal to the mean group accuracy when groups are of one size; its sampling "
-        "units are then the step's prompts (its responses, counted from the logged std, over "
-        "run.json's group size), each as uncertain as a 0/1 draw: without the groups, a "
-        "prompt's responses are taken to agree as much as they can, so a steps-only log is "
-        "never judged surer than its rollouts would be.",
+        "correct, equal to the mean group accuracy when groups are of one size. Its sampling "
+        "units are its responses (counted from the logged std), and for the sequential test of "
+        "a fall (performance-regression) its prompts (the responses over run.json's group "
+        "size: component `prompts`), each as uncertain as a 0/1 draw: without the groups a "
+        "prompt's responses are taken to agree as much as they can, so a steps-only log never "
+        "names a fall surer than its rollouts would.",
         healthy="rising",
         better="up",
         task="pass@1",

@@ -12,7 +12,7 @@ import polars as pl
 from numpy.lib.stride_tricks import sliding_window_view
 
 from rlscope.metrics._common import UNITS
-from rlscope.metrics.signal import ACC_SQ
+from rlscope.metrics.signal import ACC_SQ, PROMPTS
 from rlscope.report import MetricResult
 from rlscope.spec import Finding, Rule, Severity
 from rlscope.windows import TREND_FRACTION, window_size
@@ -173,18 +173,37 @@ def compare_pooled_windows(
     return _windows(means[0], means[1], math.hypot(*ses), rows["step"].to_list(), head, w)
 
 
+def pass_at_1_frame(ctx: RuleContext, *, fall: bool = False) -> pl.DataFrame | None:
+    """pass@1's frame with its sampling units (`groups`, and Σ value² in ACC_SQ), None without
+    them. To judge a `fall`, a logged accuracy's prompts (PROMPTS) where it has them, each a
+    0/1 draw: without the prompt groups, the most a prompt's group can vary, so a steps-only
+    log never names a fall surer than its rollouts would (a rise, which spares a finding, is
+    judged on the responses: the bound would there alarm more)."""
+    frame = ctx.frame("signal.pass_at_1")
+    if frame is None or not {"groups", ACC_SQ} <= set(frame.columns):
+        return None
+    if fall and PROMPTS in frame.columns:
+        prompts = pl.col(PROMPTS).cast(pl.Float64)
+        frame = frame.with_columns(
+            prompts.alias("groups"), (pl.col("value") * prompts).alias(ACC_SQ)
+        )
+    return frame
+
+
 def pass_at_1_trend(
     ctx: RuleContext,
     fraction: float = TREND_FRACTION,
     min_steps: float = MIN_TREND_STEPS,
     first: int | None = None,
+    *,
+    fall: bool = False,
 ) -> Windows | None:
     """pass@1's first (or its `first` points: the start) vs last window judged on its evidence
-    (`compare_pooled_windows`: each window pools its prompt groups; from MIN_EVIDENCE_POINTS
-    points) where its frame carries them, else on the step-to-step scatter of at least
-    `min_steps` steps; None without."""
-    frame = ctx.frame("signal.pass_at_1")
-    if frame is not None and {"groups", ACC_SQ} <= set(frame.columns):
+    (`compare_pooled_windows`: each window pools its prompt groups, or to judge a `fall`
+    `pass_at_1_frame`'s units; from MIN_EVIDENCE_POINTS points) where its frame carries them,
+    else on the step-to-step scatter of at least `min_steps` steps; None without."""
+    frame = pass_at_1_frame(ctx, fall=fall)
+    if frame is not None:
         return compare_pooled_windows(frame, "groups", ACC_SQ, fraction, first)
     series = ctx.series("signal.pass_at_1")
     if series is None or len(series) < max(min_steps, 1):

@@ -35,6 +35,7 @@ from rlscope.rules.base import (
     halfway_step,
     level_severity,
     level_shifts,
+    pass_at_1_frame,
     pass_at_1_trend,
     pct,
     sequential_fall,
@@ -918,7 +919,9 @@ def performance_regression(ctx: RuleContext) -> Iterator[Finding]:
     if measure is None:
         return
     if accuracy is not None:
-        trends = [pass_at_1_trend(ctx, 0.1, p["min_steps"], first) for first in (None, 1)]
+        trends = [
+            pass_at_1_trend(ctx, 0.1, p["min_steps"], first, fall=True) for first in (None, 1)
+        ]
     elif len(measure) >= p["min_steps"]:
         # One value has no spread of its own: the start is its first MIN_STEPS steps.
         trends = [compare_windows(measure, 0.1, first) for first in (None, MIN_STEPS)]
@@ -964,8 +967,8 @@ FALL_SHIFTS = (0.05, 0.15, 0.3)
 def _sequential_fall(ctx: RuleContext) -> Fall | None:
     """pass@1's fall below the run's own level, sure by the sequential test (rules.base
     .sequential_fall) at the rule's `alpha`, where its frame carries the prompt groups."""
-    frame = ctx.frame("signal.pass_at_1")
-    if frame is None or not {"groups", ACC_SQ} <= set(frame.columns):
+    frame = pass_at_1_frame(ctx, fall=True)
+    if frame is None:
         return None
     primed = sorted(c.step for c in _setting_jumps(ctx))
     fall = sequential_fall(frame, "groups", ACC_SQ, ctx.params["alpha"], FALL_SHIFTS, primed)
