@@ -445,7 +445,11 @@ def _logged_pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     p, std = pl.col("logged_correct_rate"), pl.col("logged_correct_rate_std")
     ratio = std**2 / (p * (1 - p))
     counted = pl.when((p > 0) & (p < 1) & (ratio > 1)).then((ratio / (ratio - 1)).round(0))
-    prompts = (pl.col("groups") / (ctx.pass_k or 1)).round(0).clip(lower_bound=1).alias(PROMPTS)
+    prompts = (
+        [(pl.col("groups") / ctx.pass_k).round(0).clip(lower_bound=1).alias(PROMPTS)]
+        if ctx.pass_k
+        else []
+    )
     return (
         frame.sort("step")
         .with_columns(counted.forward_fill().alias("groups"))
@@ -454,7 +458,7 @@ def _logged_pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
             pl.when(p.is_between(0.0, 1.0)).then(p).alias("value"),
             "groups",
             (p * pl.col("groups")).alias(ACC_SQ),
-            *([prompts] if ctx.pass_k else []),
+            *prompts,
         )
     )
 

@@ -55,22 +55,15 @@ MAX_PREFIX = "max__"
 _TRAILING_CAST = re.compile(r"\.(strict_)?cast\([^()]*\)$")
 
 
-#: Rows binned at a time by `entropy_histogram`: the block's float64 scratch (512 KiB) stays
-#: in the core's cache through the five passes over it.
+#: Rows binned at a time by `histogram_tally`: the block's float64 scratch (512 KiB) stays in
+#: the core's cache through the passes over it.
 BIN_BLOCK_ROWS = 65_536
 
 
-def entropy_bins(entropy: pl.Series) -> np.ndarray:
-    """Each entropy's bin, floor(K·ln(1 + max(H, 0)/E0)) capped at ENTROPY_MAX_BIN, for a
-    series without nulls. In numpy, in float64, in place in one buffer (fresh memory costs a
-    page fault per 4 KiB), then truncated into another: a third of the cost of the same Polars
-    expression."""
-    values = entropy.to_numpy()
-    return _bins_into(values, np.empty(values.size), np.empty(values.size, np.int32))
-
-
 def _bins_into(values: np.ndarray, scaled: np.ndarray, bins: np.ndarray) -> np.ndarray:
-    """`entropy_bins` of `values`, computed in `scaled` (float64) and returned in `bins`."""
+    """Each entropy's bin, floor(K·ln(1 + max(H, 0)/E0)) capped at ENTROPY_MAX_BIN, computed in
+    place in `scaled` (float64: fresh memory costs a page fault per 4 KiB) and truncated into
+    `bins`: a third of the cost of the same Polars expression."""
     np.maximum(values, 0.0, out=scaled)
     np.divide(scaled, ENTROPY_BIN_OFFSET, out=scaled)
     np.log1p(scaled, out=scaled)
@@ -178,7 +171,7 @@ def _group_max_abs(values: np.ndarray, group: np.ndarray | None, groups: int) ->
 
 
 def entropy_bin_midpoint(bin_index: pl.Expr) -> pl.Expr:
-    """The entropy at the middle of a bin (inverse of `entropy_bins`)."""
+    """The entropy at the middle of a bin (the inverse of the entropy_bins level's binning)."""
     centre = (bin_index.cast(pl.Float64) + 0.5) / ENTROPY_BINS_PER_EFOLD
     return ENTROPY_BIN_OFFSET * (centre.exp() - 1.0)
 
