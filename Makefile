@@ -61,23 +61,27 @@ $(TRL_SINKS): $(TRL_STAMP)
 
 # verl 0.9.1 for the slow tests of its hook (tests/test_verl_hook.py runs RlscopeVerlHook on verl's
 # own DataProto, RayPPOTrainer methods and core_algos on CPU: tests/trainers/verl_hook_steps.py),
-# in the TRL venv with --no-deps: verl's requirements would replace TRL's torch 2.13 and
+# in the TRL venv. verl itself with --no-deps: its requirements would replace TRL's torch 2.13 and
 # transformers 5.25 (torch 2.11 extras, transformers < 5.11) and bring vLLM-era packages that
-# nothing on CPU imports. Only what `from verl import DataProto`, verl.trainer.ppo.ray_trainer and
-# core_algos import, each pinned to the version tested:
-#   tensordict 0.10.0 (DataProto's batch; the newest verl accepts), pyvers, orjson (tensordict's
-#     imports); ray 2.60.0 (verl/protocol.py imports it) and what `import ray` imports: msgpack,
-#     jsonschema, attrs, jsonschema-specifications, referencing, rpds-py; omegaconf with its
-#     antlr4 runtime (the trainer's config); codetiming (verl.utils.debug's marked_timer);
-#     torchdata (ray_trainer.py's StatefulDataLoader); peft (verl.utils.fsdp_utils, which
-#     ray_trainer.py's verl.workers imports). Not hydra-core: only verl's entry points use it.
+# nothing on CPU imports. Then only what `from verl import DataProto`, verl.trainer.ppo.ray_trainer
+# and core_algos import, each pinned to the version tested, *with* their own requirements (a
+# hand-listed closure missed ray's `requests`, which only the W&B sink had brought), torch and
+# transformers held at the TRL pins: tensordict 0.10.0 (DataProto's batch; the newest verl
+# accepts); ray 2.60.0 (verl/protocol.py imports it); omegaconf (the trainer's config);
+# codetiming (verl.utils.debug's marked_timer); cachetools (verl.workers.rollout.router's
+# LRUCache); torchdata (ray_trainer.py's StatefulDataLoader); peft (verl.utils.fsdp_utils, which
+# ray_trainer.py's verl.workers imports). Not hydra-core: only verl's entry points use it. The
+# last line imports what tests/trainers/verl_hook_steps.py imports, so a missing package fails
+# here, by name.
 VERL_STAMP := $(TRL_VENV)/.installed-verl
 $(VERL_STAMP): $(TRL_STAMP)
-	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
-		verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 orjson==3.13.0 ray==2.60.0 msgpack==1.2.4 \
-		jsonschema==4.26.0 attrs==26.1.0 jsonschema-specifications==2025.9.1 \
-		referencing==0.37.0 rpds-py==2026.9.1 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 \
-		codetiming==1.4.0 torchdata==0.11.0 peft==0.21.2
+	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps verl==0.9.1
+	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+		torch==2.13.0 transformers==5.25.0 tensordict==0.10.0 ray==2.60.0 omegaconf==2.3.1 \
+		codetiming==1.4.0 cachetools==7.3.3 torchdata==0.11.0 peft==0.21.2
+	$(TRL_VENV)/bin/python -W ignore -c "import verl.trainer.ppo.ray_trainer, \
+		verl.trainer.ppo.core_algos, verl.trainer.ppo.metric_utils, verl.utils.debug.metrics, \
+		verl.trainer.ppo.rollout_corr_helper, verl.workers.utils.padding"
 	touch $(VERL_STAMP)
 
 # The slow matrices (larger healthy-shape runs, real TRL runs, the verl hook on verl's own
