@@ -13,7 +13,6 @@ import json
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 PROBE = r"""
 import json, sys, time
@@ -52,7 +51,7 @@ print(json.dumps(phases))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("run", type=Path)
+    parser.add_argument("run", help="a run folder or a store URL (s3://…)")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     runs = [

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from rlscope.cache import PartialCache, import_cache_dir
+from rlscope.cache import FooterCache, PartialCache, import_cache_dir
 from rlscope.catalog import Catalog
 from rlscope.config import Config, load_config
 from rlscope.engine import SIZES_LEVEL, Computed, compute
@@ -58,7 +58,12 @@ def analyze(
         import_notes += [f"import warning: {w}" for w in imported.warnings]
         path = out
     # The rollouts are checked by `compute`, from the index it reads (or caches) of each file.
-    run = open_run(path, steps=steps, check_rollouts=False)
+    run = open_run(
+        path,
+        steps=steps,
+        check_rollouts=False,
+        memo=FooterCache(cache_dir) if use_cache else None,
+    )
     config = config if config is not None else load_config()
     cache = PartialCache(cache_dir) if use_cache else None
     computed = compute(

@@ -381,3 +381,43 @@ def test_a_server_that_dies_mid_read_is_a_clear_error(
         out = _fails("analyze", url, "--no-cache")
     assert f"{url}: the store did not answer" in out
     assert "tried 3 times" in out
+
+
+def test_a_store_objects_footer_is_fetched_once_while_its_version_holds(
+    store: S3Server, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the footer memo, re-opening a run in a bucket asks only each object's version (a
+    HEAD), fetches no footer, and opens the same tables; an object rewritten under its name
+    (its ETag changes, its listed time may not) has its footer fetched again."""
+    import pyarrow.parquet as pq
+
+    from rlscope.cache import FooterCache
+
+    bucket = _bucket(request)
+    run = tmp_path / "run"
+    shutil.copytree(HEALTHY, run)
+    url = store.upload(run, bucket, "runs/memo")
+    memo = FooterCache(tmp_path / "cache")
+    fetched: list[str] = []
+    read_metadata = pq.read_metadata
+
+    def counted(where: Any, *args: Any, **kwargs: Any) -> Any:
+        fetched.append(str(getattr(where, "path", where)))
+        return read_metadata(where, *args, **kwargs)
+
+    monkeypatch.setattr(pq, "read_metadata", counted)
+    first = open_run(url, memo=memo)
+    objects = sum(len(t.files) for t in first.tables.values())
+    assert len(fetched) == objects
+    fetched.clear()
+    assert open_run(url, memo=memo).tables == first.tables
+    assert fetched == []
+    (original,) = (run / "tokens").glob("*.parquet")
+    rewritten = tmp_path / "rewritten"
+    (rewritten / "tokens").mkdir(parents=True)
+    pl.read_parquet(original).head(10).write_parquet(rewritten / "tokens" / original.name)
+    store.upload(rewritten, bucket, "runs/memo")
+    again = open_run(url, memo=memo)
+    assert len(fetched) == 1
+    assert again.tables["tokens"].file_rows == (10,)
+    assert again.tables == open_run(url).tables

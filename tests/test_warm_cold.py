@@ -19,7 +19,7 @@ from test_metrics_text import assert_json_close
 
 from rlscope._version import __version__
 from rlscope.analysis import analyze as analyze_run
-from rlscope.cache import STORE_FORMAT, PartialCache, Parts
+from rlscope.cache import STORE_FORMAT, FooterCache, PartialCache, Parts
 from rlscope.reader import open_run
 from rlscope.steplocal import read_step_local
 from rlscope.synth import generate
@@ -444,3 +444,53 @@ def test_step_local_frames_from_the_cache_are_those_read(tmp_path: Path, shape: 
         assert warm[name].schema == cold[name].schema, name
         assert warm[name].sort("step").equals(cold[name].sort("step")), name
     assert cold["pairs"].height == 0 or cold["singles"].height == 0
+
+
+def test_a_footer_is_read_again_only_when_its_file_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The footer memo (FooterCache): a second open reads no footer; a rewritten file's footer
+    is read again and its new rows and schema are those opened; a removed file leaves it; every
+    open gives the tables an open without the memo gives."""
+    from rlscope import reader
+
+    run = _shape_run(tmp_path, "group-1-ppo-critic")
+    memo = FooterCache(tmp_path / "cache")
+    read: list[Path] = []
+    footer = reader._footer
+
+    def counted(path: Path, size: int) -> Any:
+        read.append(path)
+        return footer(path, size)
+
+    monkeypatch.setattr(reader, "_footer", counted)
+
+    def tables(opened: Any) -> dict[str, Any]:
+        return {name: t for name, t in opened.tables.items()}
+
+    files = sorted(run.rglob("*.parquet"))
+    assert tables(open_run(run, memo=memo)) == tables(open_run(run))
+    assert len(read) == 2 * len(files)
+    read.clear()
+    assert tables(open_run(run, memo=memo)) == tables(open_run(run))
+    assert len(read) == len(files)  # the memo-less open's only
+    # A token file rewritten with a column more and fewer rows; a steps file removed.
+    tokens = sorted((run / "tokens").glob("*.parquet"))[0]
+    frame = pl.read_parquet(tokens)
+    frame.head(frame.height // 2).with_columns(extra=pl.lit(1.0)).write_parquet(tokens)
+    removed = sorted((run / "steps").glob("*.parquet"))[0]
+    removed.unlink()
+    read.clear()
+    opened = open_run(run, memo=memo)
+    assert read[0] == tokens and len(read) == 1
+    assert tables(opened) == tables(open_run(run))
+    assert str(removed) not in memo.recall(run)
+    i = opened.tables["tokens"].files.index(tokens)
+    assert "extra" in opened.tables["tokens"].file_schemas[i]
+    assert opened.tables["tokens"].file_rows[i] == frame.height // 2
+    # An unreadable memo costs the reads, never a result.
+    for path in (tmp_path / "cache" / "footers").glob("*.arrow"):
+        path.write_bytes(b"not arrow")
+    read.clear()
+    assert tables(open_run(run, memo=memo)) == tables(open_run(run))
+    assert len(read) == 2 * (len(files) - 1)
