@@ -42,12 +42,14 @@ def cache_root(override: str | os.PathLike[str] | None = None) -> Path:
 
 #: Bumped whenever an importer writes something different for the same source (a field read
 #: with another meaning, a new run.json field): cached imports of older revisions are not reused.
+#: 11: a 0/1 accuracy reward read as correct_rate with steps where it left [0, 1] (kept, and
+#: named by accuracy-out-of-range);
 #: 10: a W&B config's max_grad_norm kept by TRL's meta; 9: TensorBoard and MLflow eval sets as
 #: L5 columns; 8: W&B eval sets as L5 columns;
 #: 7: correct_rate from a 0/1 accuracy reward's logged mean (steps-only readers); 6: TRL
 #: frac_reward_zero_std with float noise kept apart; 5: max_grad_norm (TRL, the Trainer's args
 #: in TensorBoard); 4: reward_weights, scale_rewards; eval sets as L5 steps columns (TRL, verl)
-IMPORT_REVISION = 10
+IMPORT_REVISION = 11
 
 
 def import_cache_dir(

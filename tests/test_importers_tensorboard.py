@@ -197,6 +197,53 @@ def test_a_binary_accuracy_reward_is_pass_at_1_without_rollouts(tmp_path: Path) 
     assert "signal.pass_at_1" not in rlscope.analyze(tmp_path / "scaled-out").metrics
 
 
+def test_a_binary_accuracy_reward_that_leaves_0_1_is_named_and_left_out(tmp_path: Path) -> None:
+    """The scorecard's Dr. GRPO reward bug as TRL logs it: accuracy_reward 0/1 on 16 completions
+    a step, then ×10 on a few of them at some steps (mean and std no [0, 1] rewards can give).
+    Still read as the run's accuracy (0/1 at its other steps); the broken steps are named by
+    accuracy-out-of-range and left out of pass@1; partial credit (0.5) in range is not a
+    break, and no break is named where the reward stays 0/1."""
+    accuracy = [0.5, 0.5625, 0.625, 0.6875] * 5
+    rows = _trl_accuracy_rows(accuracy, 16)
+    broken = {6: [10.0] * 2 + [1.0] * 8 + [0.0] * 6, 13: [10.0] + [1.0] * 11 + [0.0] * 4}
+    # A step whose mean stays in [0, 1] but whose spread no [0, 1] rewards reach.
+    broken[17] = [10.0] + [0.0] * 15
+    for step, values in broken.items():
+        v = np.array(values)
+        rows[step]["train/rewards/accuracy_reward/mean"] = float(v.mean())
+        rows[step]["train/rewards/accuracy_reward/std"] = float(v.std(ddof=1))
+    assert 0 <= rows[17]["train/rewards/accuracy_reward/mean"] <= 1
+    write_events(tmp_path / "runs" / "a", rows)
+    import_run("tensorboard", tmp_path / "runs", tmp_path / "out")
+    meta = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert "but 3 where its values left [0, 1]" in meta["provenance"]["correct_rate"]
+    report = rlscope.analyze(tmp_path / "out")
+    found = next(f for f in report.findings if f.id == "accuracy-out-of-range")
+    assert found.severity == "warn" and found.evidence["steps"] == [6, 13, 17]
+    pass_1 = report.metrics["signal.pass_at_1"]
+    expected = {s: a for s, a in enumerate(accuracy, start=1) if s not in broken}
+    got = dict(zip(pass_1.steps, pass_1.values, strict=True))
+    assert sorted(s for s, v in got.items() if v is None) == sorted(broken)
+    assert {s: v for s, v in got.items() if v is not None} == pytest.approx(expected, abs=1e-6)
+    # In range throughout: a clean run, and one with partial credit (not a 0/1 reward at all).
+    write_events(tmp_path / "clean" / "a", _trl_accuracy_rows(accuracy, 16))
+    import_run("tensorboard", tmp_path / "clean", tmp_path / "clean-out")
+    assert "accuracy-out-of-range" not in {
+        f.id for f in rlscope.analyze(tmp_path / "clean-out").findings
+    }
+    partial = _trl_accuracy_rows(accuracy, 16)
+    v = np.array([0.5] * 4 + [1.0] * 6 + [0.0] * 6)
+    partial[9]["train/rewards/accuracy_reward/mean"] = float(v.mean())
+    partial[9]["train/rewards/accuracy_reward/std"] = float(v.std(ddof=1))
+    write_events(tmp_path / "partial" / "a", partial)
+    import_run("tensorboard", tmp_path / "partial", tmp_path / "partial-out")
+    meta = json.loads((tmp_path / "partial-out" / "run.json").read_text())
+    assert meta["provenance"]["correct_rate"].startswith("not read")
+    report = rlscope.analyze(tmp_path / "partial-out")
+    assert "accuracy-out-of-range" not in {f.id for f in report.findings}
+    assert any("accuracy-out-of-range" in m.findings for m in report.inputs_missing)
+
+
 def test_a_dict_of_eval_sets_gives_l5(tmp_path: Path) -> None:
     """A genuine TRL run with a dict of two eval sets (tests/genuine/trl-two-eval-sets), entry by
     entry as TensorBoardCallback.on_log writes it (rewrite_logs, then add_scalar key after key):

@@ -13,6 +13,7 @@ from conftest import GENUINE
 
 from rlscope.analysis import analyze
 from rlscope.catalog import default_catalog
+from rlscope.engine import compute
 from rlscope.errors import RlscopeError
 from rlscope.reader import open_run
 from rlscope.report import MetricResult, Report, RunInfo
@@ -442,6 +443,8 @@ DIRECTED = {
     "stability.mismatch_abs_logp": "down",
     "stability.mismatch_tail": "down",
     "stability.mismatch_prob_diff": "down",
+    # A step whose 0/1 accuracy left [0, 1] is a broken reward, never better.
+    "signal.accuracy_out_of_range": "down",
 }
 
 
@@ -879,3 +882,66 @@ def test_an_accelerating_kl_warns_unless_the_task_improves() -> None:
     assert found.severity == "info" and "buys progress" in found.message
     (found,) = judge("kl-runaway", {"stability.kl": kl * 5, "signal.pass_at_1": rising})
     assert found.severity == "critical"
+
+
+def _accuracy_rows(batches: Mapping[int, np.ndarray]) -> list[dict[str, float]]:
+    """TRL's rewards/<accuracy>/mean and torch's unbiased std of each step's batch of rewards."""
+    return [
+        {"step": s, "correct_rate": float(v.mean()), "correct_rate_std": float(v.std(ddof=1))}
+        for s, v in batches.items()
+    ]
+
+
+def test_accuracy_out_of_range_never_fires_on_rewards_in_0_1() -> None:
+    """Bhatia–Davis, checked on 3000 batches of 4 to 64 rewards anywhere in [0, 1] (0/1, partial
+    credit, Beta-shaped, all on one bound): no step is flagged, whatever the batch; and
+    batches with one reward past [0, 1] by enough are."""
+    from rlscope.binary import outside_unit_range
+
+    rng = np.random.default_rng(11)
+    means, stds = [], []
+    for i in range(3000):
+        n = int(rng.integers(4, 65))
+        kind = i % 4
+        if kind == 0:
+            v = (rng.random(n) < rng.random()).astype(float)
+        elif kind == 1:
+            v = rng.choice([0.0, 0.5, 1.0], n)
+        elif kind == 2:
+            v = rng.beta(0.1, 0.1, n)
+        else:
+            v = np.full(n, float(rng.integers(0, 2)))
+        means.append(float(v.mean()))
+        stds.append(float(v.std(ddof=1)))
+    frame = pl.DataFrame({"p": means, "s": stds}, schema={"p": pl.Float32, "s": pl.Float32})
+    flagged = frame.select(outside_unit_range(pl.col("p").cast(pl.Float64), pl.col("s")))
+    assert not flagged.to_series().any()
+    past = [np.array([10.0] + [0.0] * 15), np.array([-1.0, 1.0, 1.0, 0.0]), np.full(8, 1.5)]
+    frame = pl.DataFrame({"p": [v.mean() for v in past], "s": [v.std(ddof=1) for v in past]})
+    assert frame.select(outside_unit_range(pl.col("p"), pl.col("s"))).to_series().all()
+
+
+def test_accuracy_out_of_range_names_the_broken_steps(write_run) -> None:
+    """A logged 0/1 accuracy of 16 completions a step with rewards of 10 at steps 9 and 21 and
+    one of -1 at step 14: those steps are flagged and named (warn), and left out of pass@1,
+    whose other steps are the batches' means; a run whose rewards stay 0/1 is silent."""
+    rng = np.random.default_rng(5)
+    batches = {step: (rng.random(16) < 0.6).astype(float) for step in range(1, 31)}
+    clean = _accuracy_rows(batches)
+    batches[9][:2] = 10.0
+    batches[21][:2] = 10.0
+    batches[14][0] = -1.0
+    run = write_run({"steps": _accuracy_rows(batches)})
+    computed = compute(open_run(run), ["signal.accuracy_out_of_range", "signal.pass_at_1"])
+    flags = computed.frames["signal.accuracy_out_of_range"].sort("step")
+    assert flags.filter(pl.col("value") > 0)["step"].to_list() == [9, 14, 21]
+    report = analyze(run)
+    found = next(f for f in report.findings if f.id == "accuracy-out-of-range")
+    assert found.severity == "warn" and found.evidence["steps"] == [9, 14, 21]
+    assert "step 9: mean 1.81" in found.message
+    result = report.metrics["signal.pass_at_1"]
+    pass_1 = dict(zip(result.steps, result.values, strict=True))
+    for step, v in batches.items():
+        assert pass_1[step] == (None if step in (9, 14, 21) else pytest.approx(v.mean()))
+    silent = analyze(write_run({"steps": clean}))
+    assert "accuracy-out-of-range" not in ids(silent.findings)

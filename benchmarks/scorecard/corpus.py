@@ -37,8 +37,14 @@ LR_FAULT = (
 )
 #: A reward the policy can raise without the task: the findings that name what it learns.
 FORMAT_FAULT = ("reward-hacking", "auxiliary-reward-dominates")
-#: A verifier that pays a few prompts far more: the gradient concentrates on them, spikes.
-REWARD_BUG_FAULT = ("reward-concentration", "grad-spike", "reward-hacking")
+#: A verifier that pays a few prompts far more: the gradient concentrates on them, spikes; from
+#: the steps alone, the 0/1 accuracy reward's logged mean and std leave [0, 1].
+REWARD_BUG_FAULT = (
+    "reward-concentration",
+    "grad-spike",
+    "reward-hacking",
+    "accuracy-out-of-range",
+)
 #: Sinks of a TRL run: (name, import format or "" for an rlscope run directory, path under the
 #: trainer's output, import options).
 TRL_SINKS: tuple[tuple[str, str, str, dict[str, str]], ...] = (

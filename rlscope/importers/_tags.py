@@ -10,6 +10,7 @@ from typing import Any
 
 import polars as pl
 
+from rlscope.binary import BINARY_RATIO, bernoulli_ratio, outside_unit_range
 from rlscope.importers._common import RESERVED_STEPS, accuracy_like
 from rlscope.importers.session import Session
 
@@ -171,10 +172,6 @@ def all_zero_frame(frame: pl.DataFrame, keys: Iterable[str]) -> dict[str, bool]:
 #: `_generate_and_score_completions`: `rewards/{name}/mean`, `rewards/{name}/std`, nanmean and
 #: nanstd over the generation batch), under `train/` where transformers' callbacks rewrite keys.
 REWARD_MEAN = re.compile(r"^((?:train/)?rewards/)([^/]+)/mean$")
-#: std² / (p(1 − p)) of a 0/1 reward with mean p over n completions is n / (n − 1) (torch's
-#: unbiased std): between 1 and 4/3 for batches of 4 or more. A reward with any value strictly
-#: between its extremes has less (Bhatia–Davis), a 0/s reward with s ≠ 1 other ratios.
-BINARY_RATIO = (0.995, 4 / 3 + 0.005)
 
 
 def binary_accuracy(frame: pl.DataFrame, resolved: Resolved) -> None:
@@ -193,23 +190,32 @@ def binary_accuracy(frame: pl.DataFrame, resolved: Resolved) -> None:
     both = frame.select(
         pl.col(mean_key).cast(pl.Float64).alias("p"), pl.col(std_key).cast(pl.Float64).alias("s")
     ).drop_nulls()
-    inside = both.filter((pl.col("p") > 0) & (pl.col("p") < 1))
-    ratio = inside.select(pl.col("s") ** 2 / (pl.col("p") * (1 - pl.col("p"))))["s"]
+    p, s = pl.col("p"), pl.col("s")
+    # Each step: the reward leaves [0, 1] (no 0/1 reward's mean and std: a range break, judged
+    # by accuracy-out-of-range), or is inside with a 0/1 reward's spread, or with less (values
+    # strictly between 0 and 1: partial credit, or a 0/s reward with s < 1).
+    kinds = both.select(
+        outside_unit_range(p, s).alias("breaks"),
+        bernoulli_ratio(p, s).alias("ratio"),
+    ).filter(~pl.col("breaks"))
     lo, hi = BINARY_RATIO
-    binary = (
-        inside.height >= 3
-        and both.filter((pl.col("p") < 0) | (pl.col("p") > 1)).height == 0
-        and both.filter(((pl.col("p") == 0) | (pl.col("p") == 1)) & (pl.col("s") > 1e-6)).height
-        == 0
-        and bool(ratio.is_between(lo, hi).all())
-    )
+    ratios = kinds["ratio"].drop_nulls()
+    breaks = both.height - kinds.height
+    binary = ratios.len() >= 3 and bool(ratios.is_between(lo, hi).all())
     if binary:
         resolved.mapping[mean_key] = "correct_rate"
         resolved.mapping[std_key] = "correct_rate_std"
         resolved.notes.append(f"{mean_key} -> correct_rate (a 0/1 accuracy reward's mean)")
         resolved.provenance["correct_rate"] = (
             f"{mean_key}: the mean of `{name}` ({why}), a 0/1 reward (its logged std² is "
-            "p(1 − p) at every step): pass@1"
+            "p(1 − p) at every step"
+            + (
+                f" but {breaks} where its values left [0, 1]: those left out of pass@1 and "
+                "named by accuracy-out-of-range"
+                if breaks
+                else ""
+            )
+            + "): pass@1"
         )
     else:
         resolved.provenance["correct_rate"] = (

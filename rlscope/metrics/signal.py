@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from rlscope.binary import bernoulli_ratio, outside_unit_range
 from rlscope.context import MetricContext
 from rlscope.exactsum import ordered_mean
 from rlscope.metrics._common import (
@@ -443,8 +444,9 @@ def _logged_pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     without the groups a fall is judged on the prompts as 0/1 draws, the most a prompt's mean
     can vary (rules.stability `_sequential_fall`)."""
     p, std = pl.col("logged_correct_rate"), pl.col("logged_correct_rate_std")
-    ratio = std**2 / (p * (1 - p))
-    counted = pl.when((p > 0) & (p < 1) & (ratio > 1)).then((ratio / (ratio - 1)).round(0))
+    ratio = bernoulli_ratio(p, std)
+    broken = outside_unit_range(p, std)
+    counted = pl.when(~broken & (ratio > 1)).then((ratio / (ratio - 1)).round(0))
     prompts = (
         [(pl.col("groups") / ctx.pass_k).round(0).clip(lower_bound=1).alias(PROMPTS)]
         if ctx.pass_k
@@ -455,7 +457,7 @@ def _logged_pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         .with_columns(counted.forward_fill().alias("groups"))
         .select(
             "step",
-            pl.when(p.is_between(0.0, 1.0)).then(p).alias("value"),
+            pl.when(~broken).then(p.clip(0.0, 1.0)).alias("value"),
             "groups",
             (p * pl.col("groups")).alias(ACC_SQ),
             *prompts,
@@ -487,7 +489,8 @@ DECLARED.metric(
         "a fall (performance-regression) its prompts (the responses over run.json's group "
         "size: component `prompts`), each as uncertain as a 0/1 draw: without the groups a "
         "prompt's responses are taken to agree as much as they can, so a steps-only log never "
-        "names a fall surer than its rollouts would.",
+        "names a fall surer than its rollouts would. A step whose logged mean and std no rewards "
+        "in [0, 1] can give (accuracy-out-of-range) is left out.",
         healthy="rising",
         better="up",
         task="pass@1",
@@ -505,6 +508,46 @@ DECLARED.metric(
                 "correct_rate",
                 share=True,
                 source="steps.correct_rate as logged (the trainer's per-step accuracy)",
+            ),
+        ),
+    )
+)
+
+
+def _accuracy_out_of_range(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
+    p, std = pl.col("logged_correct_rate"), pl.col("logged_correct_rate_std")
+    return frame.select(
+        "step",
+        outside_unit_range(p, std).cast(pl.Float64).alias("value"),
+        p.alias("logged_mean"),
+        std.alias("logged_std"),
+    )
+
+
+DECLARED.metric(
+    Metric(
+        id="signal.accuracy_out_of_range",
+        brief="1 at a step whose logged 0/1 accuracy reward left [0, 1]",
+        layer="L3",
+        title="Accuracy reward outside [0, 1]",
+        doc="Per step, 1 when the 0/1 accuracy reward's logged mean and (unbiased) standard "
+        "deviation are ones no rewards in [0, 1] can give over a batch of 4 or more: the mean "
+        "outside [0, 1], a spread at a mean of 0 or 1, or std² above p(1 − p)·4/3 "
+        "(Bhatia–Davis: values in [0, 1] with mean p vary by at most p(1 − p); torch's "
+        "unbiased std adds n / (n − 1) ≤ 4/3). Read where an importer took the reward as the "
+        "run's accuracy because it was 0/1 at its other steps (steps.correct_rate and "
+        "correct_rate_std: TRL's rewards/<accuracy>/mean and /std through TensorBoard, W&B or "
+        "MLflow). Exact, not statistical: no sampling error makes a 0/1 reward's mean and std "
+        "cross the bound.",
+        healthy="0 at every step",
+        better="down",
+        variants=(
+            custom(
+                "steps",
+                ("correct_rate", "correct_rate_std"),
+                _accuracy_out_of_range,
+                {f"logged_{c}": f64(c).mean() for c in ("correct_rate", "correct_rate_std")},
+                source="steps.correct_rate and correct_rate_std as logged",
             ),
         ),
     )

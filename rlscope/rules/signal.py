@@ -1,4 +1,4 @@
-"""L3 findings: dead prompts, concentrated reward, mode collapse."""
+"""L3 findings: dead prompts, concentrated reward, accuracy out of range, mode collapse."""
 
 from __future__ import annotations
 
@@ -261,6 +261,49 @@ def reward_concentration(ctx: RuleContext) -> Iterator[Finding]:
             nominal_prompts=nominal,
             steps=[first, int(steps[-1])],
         )
+
+
+@DECLARED.rule(
+    "accuracy-out-of-range",
+    brief="warn: the 0/1 accuracy reward's logged mean and std left [0, 1] at a step; names "
+    "the steps",
+    layer="L3",
+    title="The accuracy reward returned values outside [0, 1]",
+    doc="At some steps the accuracy reward, 0/1 at the run's other steps, logged a mean and "
+    "standard deviation that no rewards in [0, 1] can give (signal.accuracy_out_of_range: "
+    "Bhatia–Davis). Some completions were scored outside [0, 1]: a verifier that returns a "
+    "raw or rescaled score on some prompts, a reward changed mid-run. Those prompts' "
+    "advantages grow with the scale (without GRPO's std normalisation, e.g. Dr. GRPO, by the "
+    "full factor) and carry the update, and the steps' pass@1 is left out because their mean "
+    "is not an accuracy. From the steps alone (TensorBoard, W&B, MLflow); with rollouts the "
+    "same fault shows as reward-concentration. There is no threshold to calibrate: the "
+    "bound is exact, sampling error cannot cross it, so one step is enough at any run "
+    "length or batch (of 4 or more completions, which the 0/1 reading already requires).",
+    remedy="run the reward function on the prompts of the listed steps and check its range; "
+    "clip or fix the verifier; scale rewards per group (GRPO's std normalisation) while it "
+    "is fixed.",
+    metrics=("signal.accuracy_out_of_range",),
+    requires=("signal.accuracy_out_of_range",),
+    marks="points",
+)
+def accuracy_out_of_range(ctx: RuleContext) -> Iterator[Finding]:
+    frame = ctx.frame("signal.accuracy_out_of_range")
+    if frame is None or frame.height == 0:
+        return
+    bad = frame.filter(pl.col("value") > 0).sort("step")
+    if bad.height == 0:
+        return
+    steps = [int(v) for v in bad["step"]]
+    first = bad.row(0, named=True)
+    shown = ", ".join(map(str, steps[:10])) + (", …" if len(steps) > 10 else "")
+    yield ctx.finding(
+        f"At {len(steps)} of {frame.height} steps the 0/1 accuracy reward's logged mean and "
+        f"std cannot come from rewards in [0, 1] (step {first['step']}: mean "
+        f"{first['logged_mean']:.3g}, std {first['logged_std']:.3g}): steps {shown}. A "
+        "reward outside [0, 1] was given there; those steps are left out of pass@1.",
+        steps=steps,
+        out_of_range_steps=steps,
+    )
 
 
 @DECLARED.rule(
