@@ -27,7 +27,7 @@ def outside_unit_range(mean: pl.Expr, std: pl.Expr) -> pl.Expr:
     had some reward outside [0, 1]: for a reward that is 0/1 elsewhere, a verifier returning
     another scale."""
     lo, hi = 0.0 - TOLERANCE, 1.0 + TOLERANCE
-    on_bound = ((mean - 0.0).abs() <= TOLERANCE) | ((mean - 1.0).abs() <= TOLERANCE)
+    on_bound = (mean.abs() <= TOLERANCE) | ((mean - 1.0).abs() <= TOLERANCE)
     return (
         (mean < lo)
         | (mean > hi)

@@ -12,14 +12,16 @@ import pytest
 from typer.testing import CliRunner
 
 import rlscope
+from rlscope.binary import outside_unit_range
 from rlscope.cli import app
 from rlscope.engine import compute
 from rlscope.errors import RlscopeError
 from rlscope.importers import IMPORTERS, import_run
+from rlscope.importers._tags import Resolved, binary_accuracy
 from rlscope.reader import open_run
 
 pytest.importorskip("tensorboard")
-from conftest import genuine_eval_points
+from conftest import GENUINE, genuine_eval_points
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
@@ -242,6 +244,37 @@ def test_a_binary_accuracy_reward_that_leaves_0_1_is_named_and_left_out(tmp_path
     report = rlscope.analyze(tmp_path / "partial-out")
     assert "accuracy-out-of-range" not in {f.id for f in report.findings}
     assert any("accuracy-out-of-range" in m.findings for m in report.inputs_missing)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "read"),
+    [
+        ("trl-real/healthy/checkpoint-200", True),
+        ("trl-real/too-hard/checkpoint-200", True),
+        ("trl-real/lr-too-high/checkpoint-200", True),
+        ("trl-real/format-weighted-groupnorm/checkpoint-200", True),
+        ("trl-tiny-grpo/checkpoint-150", True),
+        ("trl-two-eval-sets", True),
+        ("trl-float-noise", False),  # accuracy_reward scaled to 0.1: no 0/1 reward
+    ],
+)
+def test_genuine_trl_logs_read_as_0_1_without_a_break(fixture: str, read: bool) -> None:
+    """TRL 1.16's own log_history (its float32 means and unbiased stds): the accuracy reward is
+    read as the run's accuracy exactly where it is 0/1, and no step of any genuine run crosses
+    the bound accuracy-out-of-range judges on."""
+    history = json.loads((GENUINE / fixture / "trainer_state.json").read_text())["log_history"]
+    rows = [
+        {k: v for k, v in e.items() if k.startswith("rewards/accuracy_reward/")}
+        for e in history
+        if "rewards/accuracy_reward/mean" in e
+    ]
+    frame = pl.DataFrame(rows)
+    resolved = Resolved({})
+    binary_accuracy(frame, resolved)
+    assert (resolved.mapping.get("rewards/accuracy_reward/mean") == "correct_rate") is read
+    assert "left [0, 1]" not in resolved.provenance["correct_rate"]
+    mean, std = (pl.col(f"rewards/accuracy_reward/{s}").cast(pl.Float64) for s in ("mean", "std"))
+    assert not frame.select(outside_unit_range(mean, std)).to_series().any()
 
 
 def test_a_dict_of_eval_sets_gives_l5(tmp_path: Path) -> None:

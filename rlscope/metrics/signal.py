@@ -447,6 +447,8 @@ def _logged_pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
     ratio = bernoulli_ratio(p, std)
     broken = outside_unit_range(p, std)
     counted = pl.when(~broken & (ratio > 1)).then((ratio / (ratio - 1)).round(0))
+    # A broken step (accuracy-out-of-range) has no accuracy, so no Σ accuracy² either.
+    value = pl.when(~broken).then(p.clip(0.0, 1.0))
     prompts = (
         [(pl.col("groups") / ctx.pass_k).round(0).clip(lower_bound=1).alias(PROMPTS)]
         if ctx.pass_k
@@ -457,9 +459,9 @@ def _logged_pass_1(frame: pl.LazyFrame, ctx: MetricContext) -> pl.LazyFrame:
         .with_columns(counted.forward_fill().alias("groups"))
         .select(
             "step",
-            pl.when(~broken).then(p.clip(0.0, 1.0)).alias("value"),
+            value.alias("value"),
             "groups",
-            (p * pl.col("groups")).alias(ACC_SQ),
+            (value * pl.col("groups")).alias(ACC_SQ),
             *prompts,
         )
     )
